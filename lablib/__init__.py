@@ -1,0 +1,55 @@
+"""lablib: the library the distributed-training labs import.
+
+    import lablib
+    cluster = lablib.cluster(4)          # 4 real ranks (processes), reused by every cell
+    cluster.run(fn)                      # fn on every rank, results in rank order
+    cluster.timeline()                   # what each rank did when
+
+Names are loaded on first use, so a rank process importing ``lablib._worker`` pays only for torch.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+__version__ = "0.1.0"
+
+# Imported eagerly: the function lablib.cluster must shadow the submodule of the same name.
+from .cluster import Cluster, RankError, cluster  # noqa: E402
+
+_EXPORTS = {
+    "span": "timeline", "Timeline": "timeline", "Span": "timeline",
+    "device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
+    "broadcast": "comm", "all_to_all": "comm", "barrier": "comm",
+    "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm",
+}
+__all__ = sorted(_EXPORTS) + ["Cluster", "RankError", "cluster", "load_ipython_extension"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lablib' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext lablib``: registers the ``%%ranks N`` cell magic."""
+    from .magic import load_ipython_extension as load
+
+    load(ipython)
+
+
+# Plotly figures render through the JSON mimetype in notebooks: stable under nbval and light (the
+# text/html renderer embeds 4.8 MB of plotly.js with a fresh div id every run). Colab needs its own.
+if "IPython" in sys.modules and "google.colab" not in sys.modules:
+    if "plotly.io" in sys.modules:
+        sys.modules["plotly.io"].renderers.default = "plotly_mimetype"
+    else:
+        os.environ.setdefault("PLOTLY_RENDERER", "plotly_mimetype")

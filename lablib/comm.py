@@ -1,0 +1,103 @@
+"""Traced collectives: the ``torch.distributed`` calls the labs use, each recorded as a comm span.
+
+Same arguments as ``torch.distributed``; ``name=`` labels the span. Synchronous calls are timed from
+call to return; ``async_op=True`` calls return a ``Work`` whose span runs from issue to completion
+(seen by a callback on the work's future, not by when ``wait()`` was called).
+
+``bytes`` on a span is the size of the message (the tensor each rank contributes), as nccl-tests
+reports "size"; what crosses the wire depends on the algorithm and is the subject of lab 02.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .timeline import AsyncSpan, span
+
+# PyTorch 2.13 renamed the tensor-in/tensor-out collectives and warns on the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Work:
+    """Wraps a ``torch.distributed`` work handle so its span closes when the work completes."""
+
+    def __init__(self, work, trace: AsyncSpan):
+        self._work, self._span = work, trace
+        try:
+            work.get_future().add_done_callback(trace.close)
+        except (RuntimeError, AttributeError):  # some backends' send/recv works have no future
+            pass
+
+    def wait(self, *args):
+        out = self._work.wait(*args)
+        self._span.close()
+        return out
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _traced(name, nbytes, async_op, call, tensor):
+    if async_op:
+        return Work(call(), AsyncSpan(name, "comm", nbytes))
+    with span(name, "comm", bytes=nbytes):
+        out = call()
+        if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
+            torch.cuda.synchronize(tensor.device)
+    return out
+
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="all_reduce"):
+    return _traced(name, tensor.nbytes, async_op, lambda: dist.all_reduce(tensor, op, group, async_op), tensor)
+
+
+def all_gather(output, input, group=None, async_op=False, name="all_gather"):
+    """``output`` (world_size * n elements) receives every rank's ``input`` (n elements), in rank order."""
+    return _traced(name, input.nbytes, async_op, lambda: _all_gather_single(output, input, group, async_op), input)
+
+
+def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
+    """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
+    return _traced(name, input.nbytes, async_op,
+                   lambda: _reduce_scatter_single(output, input, op, group, async_op), input)
+
+
+def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
+    return _traced(name, tensor.nbytes, async_op, lambda: dist.broadcast(tensor, src, group, async_op), tensor)
+
+
+def all_to_all(output, input, group=None, async_op=False, name="all_to_all"):
+    return _traced(name, input.nbytes, async_op,
+                   lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), input)
+
+
+def barrier(group=None, name="barrier"):
+    with span(name, "comm", bytes=0):
+        dist.barrier(group)
+
+
+def send(tensor, dst, group=None, name=None):
+    return _traced(name or f"send to {dst}", tensor.nbytes, False, lambda: dist.send(tensor, dst, group), tensor)
+
+
+def recv(tensor, src, group=None, name=None):
+    return _traced(name or f"recv from {src}", tensor.nbytes, False, lambda: dist.recv(tensor, src, group), tensor)
+
+
+def isend(tensor, dst, group=None, name=None):
+    return _traced(name or f"send to {dst}", tensor.nbytes, True, lambda: dist.isend(tensor, dst, group), tensor)
+
+
+def irecv(tensor, src, group=None, name=None):
+    return _traced(name or f"recv from {src}", tensor.nbytes, True, lambda: dist.irecv(tensor, src, group), tensor)

@@ -1,0 +1,135 @@
+"""``lablib doctor``: what this machine has, which backend the labs will use, and a real smoke test."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import re
+import sys
+import time
+
+# Why the course needs each runtime dependency; the versions come from the package's own metadata
+# (pyproject.toml), so they are written down once.
+WHY = {
+    "torch": "FSDP2 fully_shard, DTensor and torch.distributed.pipelining",
+    "numpy": "torch.distributed.pipelining and all_gather_object",
+    "cloudpickle": "shipping notebook functions to the ranks",
+    "jupyterlab": "the notebooks",
+    "ipywidgets": "quizzes and sliders",
+    "plotly": "timelines and charts",
+}
+
+
+def requirements() -> list[tuple[str, str, str]]:
+    """(distribution, minimum version, why) for each runtime dependency of lablib."""
+    out = []
+    for spec in md.requires("lablib") or []:
+        if "extra ==" in spec:
+            continue
+        name = re.split(r"[<>=!~\s;\[(]", spec, maxsplit=1)[0]
+        minimum = re.search(r">=\s*([\w.]+)", spec)
+        out.append((name, minimum.group(1) if minimum else "0", WHY.get(name, "the labs")))
+    return out
+
+
+def _version_tuple(v: str):
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _row(label, value, note=""):
+    print(f"  {label:<12} {value}{('   ' + note) if note else ''}")
+
+
+def environment(ranks: int = 2) -> list[str]:
+    """Print versions, cores, GPUs and the backend ``auto`` picks; return the problems found."""
+    problems = []
+    _row("python", platform.python_version(), "ok" if sys.version_info >= (3, 10) else "needs >= 3.10")
+    if sys.version_info < (3, 10):
+        problems.append("Python 3.10 or newer is needed")
+    for dist, minimum, why in requirements():
+        try:
+            version = md.version(dist)
+        except md.PackageNotFoundError:
+            _row(dist, "missing", f"needed for {why}")
+            problems.append(f"{dist} is not installed (needed for {why}); run ./lab.sh, or pip install -e .")
+            continue
+        ok = _version_tuple(version) >= _version_tuple(minimum)
+        _row(dist, version, "ok" if ok else f"needs >= {minimum} for {why}")
+        if not ok:
+            problems.append(f"{dist} {version} is too old: >= {minimum} is needed for {why}")
+    _row("CPU cores", os.cpu_count())
+    if any(p.startswith("torch ") for p in problems):
+        return problems
+    try:
+        import torch
+        import torch.distributed as dist
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+        _row("GPUs", f"{gpus} ({names})" if gpus else "none")
+        if not dist.is_available():
+            problems.append("this torch build has no torch.distributed")
+        elif not dist.is_gloo_available():
+            problems.append("this torch build has no Gloo backend (needed for CPU ranks)")
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.distributed.pipelining import ScheduleGPipe  # noqa: F401
+        from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: F401
+    except Exception as exc:  # an import that fails is the diagnosis
+        problems.append(f"torch is installed but broken: {type(exc).__name__}: {exc}")
+        return problems
+
+    from .cluster import resolve_backend
+
+    backend = resolve_backend("auto", ranks)
+    _row("backend", f"auto -> {'NCCL (one GPU per rank)' if backend == 'nccl' else 'Gloo (CPU)'} for {ranks} ranks")
+    return problems
+
+
+def doctor(ranks: int = 2) -> int:
+    """``lablib doctor``: the environment, then a real all-reduce on ``ranks`` ranks. Returns an exit code."""
+    print("lablib doctor")
+    problems = environment(ranks)
+    if not problems:
+        from .cluster import Cluster
+
+        try:
+            with Cluster(ranks, quiet=True, timeout=20) as c:
+                t = time.perf_counter()
+                values = c.run(_smoke)
+                job_ms = (time.perf_counter() - t) * 1e3
+                expected = float(sum(range(1, ranks + 1)))
+                ok = all(abs(v - expected) < 1e-6 for v in values)
+                _row("smoke test", f"{ranks}-rank all_reduce -> {values}", f"{'ok' if ok else f'expected {expected}'} "
+                     f"(start {c.start_seconds:.1f} s, job {job_ms:.1f} ms)")
+                if not ok:
+                    problems.append(f"all_reduce returned {values}, expected {expected} on every rank")
+        except Exception as exc:
+            problems.append(f"the {ranks}-rank smoke test failed: {type(exc).__name__}: {exc}")
+    return _verdict(problems)
+
+
+def _smoke():
+    import torch
+    import torch.distributed as dist
+
+    from .comm import all_reduce, device
+
+    x = torch.tensor([float(dist.get_rank() + 1)], device=device())
+    all_reduce(x)
+    return x.item()
+
+
+def _verdict(problems) -> int:
+    if problems:
+        print("\nproblems:")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print("\nall good: open the labs with ./lab.sh")
+    return 0

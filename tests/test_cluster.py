@@ -1,0 +1,125 @@
+"""The rank pool on real Gloo ranks: results, shipping by value, output, reuse, the shared pool."""
+import os
+import re
+
+import pytest
+from procs import children
+import torch
+import torch.distributed as dist
+
+import lablib
+from lablib import Cluster
+
+
+def _rank_info(scale, offset=0):
+    x = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(x)
+    return dist.get_rank(), dist.get_world_size(), x.item() * scale + offset
+
+
+def test_results_come_back_in_rank_order(cluster):
+    n = cluster.world_size
+    out = cluster.run(_rank_info, 2.0, offset=1)
+    assert out == [(r, n, n * (n + 1) / 2 * 2.0 + 1) for r in range(n)]
+
+
+def test_tensors_come_back(cluster):
+    out = cluster.run(lambda: torch.arange(3) * dist.get_rank())
+    for r, t in enumerate(out):
+        assert torch.equal(t, torch.arange(3) * r)
+
+
+def test_notebook_function_with_globals_is_shipped_by_value(cluster):
+    # A function defined in __main__ (as in a notebook) using a global of __main__: the children
+    # cannot import it, so it must travel by value, globals included.
+    ns = {"__name__": "__main__"}
+    exec("SCALE = 7\ndef f(x):\n    return x * SCALE + __import__('torch.distributed').distributed.get_rank()\n", ns)
+    assert ns["f"].__module__ == "__main__"
+    assert cluster.run(ns["f"], 3) == [21 + r for r in range(cluster.world_size)]
+
+
+def test_rank_output_is_prefixed_and_arrives_before_the_result(cluster, capsys):
+    def talk():
+        import sys
+        print(f"hello from {dist.get_rank()}")
+        print(f"warn {dist.get_rank()}", file=sys.stderr)
+        print("no newline", end="")
+        return dist.get_rank()
+
+    cluster.run(talk)
+    out, err = capsys.readouterr()
+    for r in range(cluster.world_size):
+        assert f"[rank {r}] hello from {r}\n" in out
+        assert f"[rank {r}] no newline" in out
+        assert f"[rank {r}] warn {r}\n" in err
+
+
+def test_workers_and_process_group_are_reused(cluster):
+    pids = cluster.pids()
+    first = cluster.run(lambda: id(dist.group.WORLD))
+    second = cluster.run(lambda: id(dist.group.WORLD))
+    assert cluster.pids() == pids
+    assert first == second
+
+
+def test_each_rank_limits_its_threads(cluster):
+    expected = max(1, os.cpu_count() // cluster.world_size)
+    assert cluster.run(torch.get_num_threads) == [expected] * cluster.world_size
+
+
+def test_unpicklable_argument_is_a_clear_error(cluster):
+    import threading
+
+    with pytest.raises(TypeError, match="could not send .* picklable"):
+        cluster.run(lambda lock: None, threading.Lock())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(world_size="2"), "world_size must be an integer >= 1"),
+    (dict(world_size=2, backend="mpi"), "unknown backend 'mpi'"),
+    (dict(world_size=2, timeout=0), "timeout must be a positive"),
+    (dict(world_size=2, threads=0), "threads must be an integer"),
+])
+def test_bad_arguments_fail_before_any_process_starts(kwargs, message):
+    before = children()
+    with pytest.raises(ValueError, match=message):
+        Cluster(**kwargs)
+    assert children() == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 64, reason="needs fewer than 64 GPUs")
+def test_nccl_with_too_few_gpus_is_a_clear_error():
+    before = children()
+    with pytest.raises(ValueError, match=r"backend='nccl' needs one GPU per rank: world_size=64"):
+        Cluster(64, backend="nccl")
+    assert children() == before
+
+
+def test_auto_backend_follows_the_gpus():
+    from lablib.cluster import resolve_backend
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert resolve_backend("auto", 2) == ("nccl" if gpus >= 2 else "gloo")
+    assert resolve_backend("auto", gpus + 1) == "gloo"
+
+
+def test_constructor_says_which_backend_in_one_line(capsys):
+    with Cluster(2, backend="gloo") as c:
+        line = capsys.readouterr().out
+        assert re.fullmatch(r"lablib: 2 rank\(s\), Gloo on CPU \(.*\), \d+ torch thread\(s\) per rank; ready in [\d.]+ s\n", line)
+        assert c.run(lambda: 1) == [1, 1]
+    with pytest.raises(RuntimeError, match="closed"):
+        c.run(lambda: 1)
+
+
+def test_shared_pool_is_reused_and_restarted_for_another_size():
+    try:
+        a = lablib.cluster(2, quiet=True)
+        assert lablib.cluster(2) is a and lablib.cluster() is a
+        b = lablib.cluster(3, quiet=True)
+        assert b is not a and b.world_size == 3
+        assert a._closed
+        assert b.run(dist.get_world_size) == [3, 3, 3]
+    finally:
+        lablib.cluster().close()

@@ -1,0 +1,194 @@
+"""Nothing a rank does may hang the notebook: each failure comes back as a clear error, in bounded
+time, and the pool runs the next job. The bounds asserted here separate "reported" from "hung"
+(the Gloo default would be 30 minutes); benchmarks/bench_cluster.py measures the actual latencies."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from procs import alive
+import torch
+import torch.distributed as dist
+
+from lablib import Cluster, RankError
+
+
+def _healthy(c):
+    def f():
+        x = torch.ones(2)
+        dist.all_reduce(x)
+        return x[0].item()
+
+    assert c.run(f) == [float(c.world_size)] * c.world_size
+
+
+def _raise_on_last():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise ValueError("bad shard size 3")
+    x = torch.ones(4)
+    dist.all_reduce(x)  # the others are inside a collective with the failing rank
+
+
+def test_exception_names_the_rank_and_carries_its_traceback(fragile):
+    last = fragile.world_size - 1
+    t = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        fragile.run(_raise_on_last)
+    assert time.perf_counter() - t < 2.0
+    err = info.value
+    msg = str(err)
+    assert msg.startswith(f"rank {last} of {fragile.world_size} failed: ValueError: bad shard size 3")
+    assert "in _raise_on_last" in msg and 'raise ValueError("bad shard size 3")' in msg
+    assert isinstance(err.exception(last), ValueError)
+    assert last in err.ranks
+    _healthy(fragile)
+
+
+def _skip_collective():
+    if dist.get_rank() != 0:
+        dist.all_reduce(torch.ones(3))
+
+
+def _different_collectives():
+    x = torch.ones(3)
+    if dist.get_rank() == 0:
+        dist.all_reduce(x)
+    else:
+        dist.broadcast(x, src=0)
+
+
+def _never_arrives():
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(3))
+
+
+@pytest.mark.parametrize("fn, expect", [
+    (_skip_collective, r"timed out after 2 s waiting in a collective: rank 1 in all_reduce"),
+    (_different_collectives, r"timed out after 2 s waiting in a collective: rank 0 in all_reduce, rank 1 in broadcast"),
+    (_never_arrives, r"rank 1: did not finish; stopped by lablib"),
+])
+def test_hang_is_reported_within_timeout_plus_2s(fragile, fn, expect):
+    t = time.perf_counter()
+    with pytest.raises(RankError, match=expect) as info:
+        fragile.run(fn)
+    elapsed = time.perf_counter() - t
+    assert elapsed < fragile.timeout + 3.0, elapsed
+    assert "Hint: a collective waited 2 s" in str(info.value)
+    if fn is _never_arrives:  # where the stuck rank was, from its own traceback
+        assert "--- rank 1 where it was stopped ---" in str(info.value)
+        assert "time.sleep(3600)" in str(info.value)
+        assert 1 in info.value.unfinished
+    _healthy(fragile)
+
+
+def test_a_rank_stuck_in_python_after_others_finish_is_stopped(fragile):
+    def spin():
+        if dist.get_rank() == 0:
+            while True:
+                pass
+
+    t = time.perf_counter()
+    with pytest.raises(RankError, match=r"rank\(s\) 0 of \d did not finish \(still running 2 s after rank 1 finished\)"):
+        fragile.run(spin)
+    assert time.perf_counter() - t < fragile.timeout + 3.0
+    _healthy(fragile)
+
+
+def test_debug_names_mismatched_collectives_at_once(fragile):
+    fragile.debug = True
+    try:
+        t = time.perf_counter()
+        with pytest.raises(RankError, match=r"Detected mismatch between collectives.*OpType=ALLREDUCE.*TensorShape=\[3\]"):
+            fragile.run(_different_collectives)
+        assert time.perf_counter() - t < 1.5
+        assert fragile.run(dist.get_debug_level) == [dist.DebugLevel.DETAIL] * fragile.world_size
+    finally:
+        fragile.debug = False
+    assert fragile.run(dist.get_debug_level) == [dist.DebugLevel.OFF] * fragile.world_size
+    _healthy(fragile)
+
+
+def _interrupt_after(seconds):
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def _sleep_everywhere():
+    time.sleep(3600)
+
+
+def _blocked_in_collective():
+    if dist.get_rank() == 0:
+        time.sleep(3600)  # interruptible
+    dist.all_reduce(torch.ones(1))  # the others block inside Gloo, where SIGINT can't reach
+
+
+@pytest.mark.parametrize("fn", [_sleep_everywhere, _blocked_in_collective])
+def test_keyboard_interrupt_stops_every_rank_within_2s(fragile, fn, capsys):
+    _interrupt_after(0.5)
+    t = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        fragile.run(fn)
+    assert time.perf_counter() - t < 0.5 + 2.0
+    assert "lablib: interrupted" in capsys.readouterr().err
+    _healthy(fragile)
+
+
+def test_a_rank_that_dies_is_reported_and_restarted(fragile):
+    old = fragile.pids()
+
+    def die():
+        if dist.get_rank() == 0:
+            os._exit(3)
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankError, match=r"rank 0 of \d failed: rank 0 died \(exit code 3\)"):
+        fragile.run(die)
+    _healthy(fragile)
+    new = fragile.pids()
+    assert new[0] != old[0] and new[1:] == old[1:]
+
+
+def _script(body):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, text=True)
+
+
+def test_workers_exit_when_the_parent_is_killed():
+    parent = _script("""
+        import time, lablib
+        c = lablib.Cluster(2, backend="gloo", quiet=True)
+        print(*c.pids(), flush=True)
+        time.sleep(3600)
+    """)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(alive(p) for p in pids)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
+def test_two_pools_on_one_machine_do_not_clash():
+    # Two "notebooks": two processes, each with its own pool, started at the same moment.
+    body = """
+        import lablib, torch, torch.distributed as dist
+        def f():
+            x = torch.ones(1) * (dist.get_rank() + 1)
+            dist.all_reduce(x)
+            return x.item()
+        with lablib.Cluster(2, backend="gloo", quiet=True) as c:
+            print(c.run(f), c._store.port)
+    """
+    procs = [_script(body) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].split("]") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert all(o[0] == "[3.0, 3.0" for o in outs)
+    assert outs[0][1] != outs[1][1]  # each hosts its own store, on a port the OS picked
