@@ -14,7 +14,7 @@ def kernel():
         yield km, kc
     finally:
         kc.stop_channels()
-        if km.isalive():
+        if km.is_alive():
             km.shutdown_kernel(now=True)
 
 
