@@ -33,7 +33,7 @@ command="${1:-lab}"
 [ $# -gt 0 ] && shift
 case "$command" in
   lab)    exec "$VENV/bin/jupyter" lab labs/ "$@" ;;
-  test)   exec "$VENV/bin/python" -m pytest "$@" ;;
+  test)   "$VENV/bin/lablib" quiz check && exec "$VENV/bin/python" -m pytest "$@" ;;
   doctor) exec "$VENV/bin/lablib" doctor "$@" ;;
   *) echo "usage: ./lab.sh [lab | test [pytest args] | doctor]" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ WHY = {
     "jupyterlab": "the notebooks",
     "ipywidgets": "quizzes and sliders",
     "plotly": "timelines and charts",
+    "pyyaml": "quiz banks",
 }
 
 

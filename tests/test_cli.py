@@ -2,10 +2,10 @@
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from lablib import doctor
 

@@ -3,9 +3,9 @@ import os
 import re
 
 import pytest
-from procs import children
 import torch
 import torch.distributed as dist
+from procs import children
 
 import lablib
 from lablib import Cluster

@@ -10,11 +10,11 @@ import threading
 import time
 
 import pytest
-from procs import alive
 import torch
 import torch.distributed as dist
+from procs import alive
 
-from lablib import Cluster, RankError
+from lablib import RankError
 
 
 def _healthy(c):

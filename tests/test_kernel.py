@@ -3,8 +3,8 @@ import os
 import time
 
 import pytest
-from procs import alive
 from jupyter_client.manager import start_new_kernel
+from procs import alive
 
 
 @pytest.fixture(scope="module")

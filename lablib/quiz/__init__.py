@@ -1,0 +1,109 @@
+"""Auto-graded quizzes: banks in ``quizzes/``, widgets in the labs, answers saved beside the notebook.
+
+    from lablib import quiz
+    quiz.ask("fsdp/2")          # one question, where its idea is taught
+    quiz.show("fsdp")           # a whole quiz, one question at a time
+    quiz.score("01_sharding")   # one stable line: "01_sharding: 7/10 correct"
+    quiz.check("01_sharding")   # raises AssertionError naming what is unanswered or wrong
+
+A name is a quiz id (``fsdp``), a lab (``01_sharding``: every question placed in that lab, from any
+bank) or one question (``fsdp/2``).
+"""
+from __future__ import annotations
+
+from .bank import LANGUAGES, Question, Quiz, QuizError, default_dir, load, load_all
+from .i18n import pick_language
+from .store import AnswerStore
+
+__all__ = ["ask", "show", "score", "check", "questions", "banks", "Question", "Quiz", "QuizError", "AnswerStore",
+           "LANGUAGES", "load", "load_all"]
+
+_cache: dict = {}
+
+
+def banks(directory=None) -> dict[str, Quiz]:
+    """All quiz banks (validated), reloaded when a file changes."""
+    d = default_dir() if directory is None else directory
+    stamp = tuple((p.name, p.stat().st_mtime_ns) for p in sorted(d.glob("*.yaml"))) if d.is_dir() else ()
+    if _cache.get("key") != (str(d), stamp):
+        _cache.update(key=(str(d), stamp), banks=load_all(d))
+    return _cache["banks"]
+
+
+def questions(name: str) -> list[Question]:
+    """The questions a name stands for: a quiz id, a lab, or one question ref ("fsdp/2")."""
+    all_banks = banks()
+    if "/" in name:
+        quiz_id, qid = name.split("/", 1)
+        if quiz_id not in all_banks:
+            raise KeyError(f"no quiz {quiz_id!r}; quizzes: {', '.join(sorted(all_banks))}")
+        return [all_banks[quiz_id].question(qid)]
+    if name in all_banks:
+        return list(all_banks[name].questions)
+    in_lab = [q for b in all_banks.values() for q in b.questions if q.lab == name]
+    if not in_lab:
+        labs = sorted({q.lab for b in all_banks.values() for q in b.questions})
+        raise KeyError(f"{name!r} is neither a quiz ({', '.join(sorted(all_banks))}) nor a lab ({', '.join(labs)})")
+    return in_lab
+
+
+def ask(ref: str, lang: str | None = None, store: AnswerStore | None = None):
+    """One question (e.g. ``"fsdp/2"``) with a Check button; answers are saved as they are given.
+
+    Returns the view, which shows itself as a cell's last expression."""
+    import ipywidgets as w
+
+    from .bank import RTL
+    from .widget import _STYLE, QuestionView
+
+    (q,) = questions(ref) if "/" in ref else (None,)
+    if q is None:
+        raise ValueError(f"ask() takes one question, like 'fsdp/2', got {ref!r}; use show() for a whole quiz")
+    quiz = banks()[q.quiz]
+    chosen = pick_language(quiz.languages, lang)
+    view = QuestionView(q, store or AnswerStore(), chosen)
+    box = w.VBox([w.HTML(_STYLE), view.widget])
+    box.add_class("lablib-quiz")
+    if chosen in RTL:
+        box.add_class("lablib-rtl")
+    view.outer = box
+    return view
+
+
+def show(quiz_id: str, lang: str | None = None, store: AnswerStore | None = None):
+    """A whole quiz: level, title, description, related lab, one question at a time, the score.
+
+    Returns the view, which shows itself as a cell's last expression."""
+    from .widget import QuizView
+
+    all_banks = banks()
+    if quiz_id not in all_banks:
+        raise KeyError(f"no quiz {quiz_id!r}; quizzes: {', '.join(sorted(all_banks))}")
+    return QuizView(all_banks[quiz_id], store or AnswerStore(), lang)
+
+
+def _status(name, store):
+    answers = (store or AnswerStore()).load()
+    rows = []
+    for q in questions(name):
+        rec = answers.get(q.ref)
+        rows.append((q, None if rec is None else q.is_correct(rec.get("response"))))
+    return rows
+
+
+def score(name: str, store: AnswerStore | None = None) -> None:
+    """Print one stable line, e.g. ``01_sharding: 7/10 correct``, for an nbval-checked cell."""
+    rows = _status(name, store)
+    print(f"{name}: {sum(ok is True for _, ok in rows)}/{len(rows)} correct")
+
+
+def check(name: str, store: AnswerStore | None = None) -> None:
+    """Raise AssertionError naming every unanswered or wrong question of ``name``."""
+    rows = _status(name, store)
+    missing = [q for q, ok in rows if ok is None]
+    wrong = [q for q, ok in rows if ok is False]
+    if missing or wrong:
+        lines = [f"{name}: {len(rows) - len(missing) - len(wrong)}/{len(rows)} correct"]
+        lines += [f"  unanswered: {q.ref}: {q.text['en'][:80]}" for q in missing]
+        lines += [f"  not correct yet: {q.ref}: {q.text['en'][:80]}" for q in wrong]
+        raise AssertionError("\n".join(lines))

@@ -1,0 +1,213 @@
+"""Quiz widgets built from core ipywidgets controls only, so they run in JupyterLab, VS Code and Colab.
+
+``QuestionView``: one question, where its idea is taught. ``QuizView``: a whole quiz, the way the
+seed quizzes present it (level, title, description, related guide, "question k of N" with next and
+previous, a preview of every question, feedback as you answer, a running score).
+"""
+from __future__ import annotations
+
+import ipywidgets as w
+
+from .bank import LANGUAGES, LETTERS, RTL, Question, Quiz
+from .i18n import pick_language, plain, rich, t
+from .store import AnswerStore
+
+# Right-to-left layout for Arabic, applied by a class on the quiz's outer box.
+_STYLE = ("<style>.lablib-rtl, .lablib-rtl * {direction: rtl; text-align: right;} "
+          ".lablib-quiz .widget-radio-box label, .lablib-quiz .widget-checkbox label {white-space: normal;}</style>")
+
+
+def parse_number(text: str) -> float | None:
+    try:
+        return float(str(text).strip().replace(",", "").replace("_", ""))
+    except ValueError:
+        return None
+
+
+class QuestionView:
+    """One question: its text, the choices (or a number box), a Check button, feedback and attempts.
+
+    Every check is saved to the answers file; a rebuilt view shows the saved answer and its feedback.
+    """
+
+    def __init__(self, question: Question, store: AnswerStore, lang: str = "en", on_answer=None):
+        self.q, self.store, self.lang, self.on_answer = question, store, lang, on_answer
+        self.text = w.HTML()
+        self.hint = w.HTML()
+        if question.type == "single":
+            self.control = w.RadioButtons(options=[], value=None, layout=w.Layout(width="auto"))
+            self.boxes = []
+        elif question.type == "multiple":
+            self.boxes = [w.Checkbox(value=False, indent=False, layout=w.Layout(width="auto")) for _ in question.choices]
+            self.control = w.VBox(self.boxes)
+        else:
+            self.control = w.Text(layout=w.Layout(width="16em"))
+            self.boxes = []
+        self.unit = w.Label(question.unit)
+        self.check_button = w.Button(button_style="primary")
+        self.check_button.on_click(lambda _: self.check())
+        self.feedback = w.HTML()
+        self.attempts = w.Label()
+        entry = w.HBox([self.control, self.unit]) if question.type == "numeric" else self.control
+        self.widget = w.VBox([self.text, self.hint, entry, w.HBox([self.check_button, self.attempts]), self.feedback])
+        self.widget.add_class("lablib-question")
+        self.outer = self.widget  # what is displayed; ask() wraps it with the style box
+        self.set_language(lang)
+        self._restore()
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.outer._repr_mimebundle_(**kwargs)
+
+    # -- language --------------------------------------------------------------------------------
+    def set_language(self, lang: str):
+        self.lang = lang
+        q = self.q
+        self.text.value = f"<div><b>{rich(q.text[lang])}</b></div>"
+        self.hint.value = f"<i>{t(lang, 'several')}</i>" if q.type == "multiple" else ""
+        if q.type == "single":
+            value = self.control.value
+            self.control.options = [(f"{LETTERS[i]}) {plain(c[lang])}", i) for i, c in enumerate(q.choices)]
+            self.control.value = value
+        elif q.type == "multiple":
+            for i, (box, c) in enumerate(zip(self.boxes, q.choices)):
+                box.description = f"{LETTERS[i]}) {plain(c[lang])}"
+        else:
+            self.control.placeholder = t(lang, "number")
+        self.check_button.description = t(lang, "check")
+        rec = self.store.get(q.ref)
+        if rec is not None:
+            self._show(rec, saved=False)
+
+    # -- answering -------------------------------------------------------------------------------
+    def response(self):
+        """What is selected now: a list of choice indices, a number, or None (nothing valid)."""
+        if self.q.type == "single":
+            return None if self.control.value is None else [self.control.value]
+        if self.q.type == "multiple":
+            picked = [i for i, b in enumerate(self.boxes) if b.value]
+            return picked or None
+        return parse_number(self.control.value)
+
+    def check(self):
+        response = self.response()
+        if response is None:
+            key = "not_a_number" if self.q.type == "numeric" and self.control.value.strip() else "choose"
+            self.feedback.value = f"<span style='color:#b45309'>{t(self.lang, key)}</span>"
+            return None
+        rec = self.store.record(self.q.ref, response, self.q.is_correct(response))
+        self._show(rec, saved=False)
+        if self.on_answer:
+            self.on_answer(self)
+        return rec
+
+    def _restore(self):
+        rec = self.store.get(self.q.ref)
+        if rec is None:
+            return
+        r = rec.get("response")
+        try:
+            if self.q.type == "single":
+                self.control.value = int(r[0])
+            elif self.q.type == "multiple":
+                for i, box in enumerate(self.boxes):
+                    box.value = i in r
+            else:
+                self.control.value = f"{float(r):g}"
+        except (TypeError, ValueError, IndexError, KeyError):
+            pass  # an answer from another version of the question: show the feedback, leave the control
+        self._show(rec, saved=True)
+
+    def _show(self, rec, saved):
+        ok = self.q.is_correct(rec.get("response"))  # graded against the bank, not the stored flag
+        lang = self.lang
+        mark = f"<b style='color:#15803d'>✓ {t(lang, 'correct')}</b>" if ok else \
+            f"<b style='color:#b91c1c'>✗ {t(lang, 'incorrect')}</b>"
+        note = f" <i>{t(lang, 'saved')}</i>" if saved else ""
+        self.feedback.value = f"<div>{mark}{note}<br>{rich(self.q.explanation[lang])}</div>"
+        self.attempts.value = t(lang, "attempts", n=rec.get("attempts", 1))
+
+    @property
+    def correct(self) -> bool:
+        rec = self.store.get(self.q.ref)
+        return rec is not None and self.q.is_correct(rec.get("response"))
+
+
+def _language_picker(quiz_langs, lang, on_change):
+    if len(quiz_langs) < 2:
+        return None
+    picker = w.ToggleButtons(options=[(LANGUAGES[code], code) for code in quiz_langs], value=lang,
+                             style={"button_width": "auto"})
+    picker.observe(lambda change: on_change(change["new"]), names="value")
+    return picker
+
+
+class QuizView:
+    """A whole quiz: header, language switch, one question at a time, a preview of all, the score."""
+
+    def __init__(self, quiz: Quiz, store: AnswerStore, lang: str | None = None, start: int = 0):
+        self.quiz, self.store = quiz, store
+        self.lang = pick_language(quiz.languages, lang)
+        self.views = [QuestionView(q, store, self.lang, on_answer=lambda _: self._refresh()) for q in quiz.questions]
+        self.k = max(0, min(start, len(self.views) - 1))
+        self.header = w.HTML()
+        self.position = w.HTML()
+        self.slot = w.Box()
+        self.prev = w.Button(icon="arrow-left")
+        self.next = w.Button(icon="arrow-right")
+        self.prev.on_click(lambda _: self.go(self.k - 1))
+        self.next.on_click(lambda _: self.go(self.k + 1))
+        self.score_label = w.HTML()
+        self.preview_buttons = [w.Button(layout=w.Layout(width="100%")) for _ in self.views]
+        for i, b in enumerate(self.preview_buttons):
+            b.on_click(lambda _, i=i: self.go(i))
+        self.preview = w.Accordion(children=[w.VBox(self.preview_buttons)], selected_index=None)
+        self.picker = _language_picker(quiz.languages, self.lang, self.set_language)
+        rows = [w.HTML(_STYLE), self.header] + ([self.picker] if self.picker else []) + [
+            self.position, self.slot, w.HBox([self.prev, self.next, self.score_label]), self.preview]
+        self.widget = w.VBox(rows, layout=w.Layout(border="1px solid #ddd", padding="8px"))
+        self.widget.add_class("lablib-quiz")
+        self.set_language(self.lang)
+        self.go(self.k)
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def set_language(self, lang: str):
+        self.lang = lang
+        if lang in RTL:
+            self.widget.add_class("lablib-rtl")
+        else:
+            self.widget.remove_class("lablib-rtl")
+        for v in self.views:
+            v.set_language(lang)
+        quiz = self.quiz
+        link = f"<a href='{quiz.lab}.ipynb' target='_blank'>{rich(quiz.related.get(lang) or quiz.lab)}</a>"
+        self.header.value = (
+            f"<div style='color:#666'>{t(lang, 'header', level=t(lang, 'levels')[quiz.level])}</div>"
+            f"<h3 style='margin:4px 0'>{rich(quiz.title[lang])}</h3>"
+            f"<div>{rich(quiz.description[lang])}</div>"
+            f"<div>{t(lang, 'related', related=link)}</div>"
+            f"<div style='color:#666'><i>{t(lang, 'note')}</i></div>")
+        self.prev.description, self.next.description = t(lang, "previous"), t(lang, "next")
+        self.preview.set_title(0, t(lang, "preview", n=len(self.views)))
+        self._refresh()
+
+    def go(self, k: int):
+        self.k = max(0, min(k, len(self.views) - 1))
+        self.slot.children = [self.views[self.k].widget]
+        self.prev.disabled, self.next.disabled = self.k == 0, self.k == len(self.views) - 1
+        self._refresh()
+
+    def _refresh(self):
+        lang, answers = self.lang, self.store.load()
+        self.position.value = f"<b>{t(lang, 'position', k=self.k + 1, n=len(self.views))}</b>"
+        correct = 0
+        for i, (v, b) in enumerate(zip(self.views, self.preview_buttons)):
+            rec = answers.get(v.q.ref)
+            ok = rec is not None and v.q.is_correct(rec.get("response"))
+            correct += ok
+            mark = "✓" if ok else ("✗" if rec is not None else "·")
+            b.description = f"{mark} {i + 1}. {plain(v.q.text[lang])}"
+            b.tooltip = plain(v.q.text[lang])
+            b.button_style = "info" if i == self.k else ""
+        self.score_label.value = f"&nbsp;{t(lang, 'score', c=correct, n=len(self.views))}"

@@ -1,0 +1,186 @@
+"""Quiz banks: the seed quizzes exactly as specified, and a clear error for every kind of mistake."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lablib.quiz import bank
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = ROOT / "quizzes" / "seeds"
+LABS = {"sharding (memory)": "01_sharding", "collectives (all-gather, reduce-scatter)": "02_collectives",
+        "prefetch and overlap": "03_prefetch_overlap", "tensor parallelism": "04_tensor_parallel",
+        "pipeline bubbles": "05_pipeline_bubbles"}
+
+
+@pytest.fixture(scope="module")
+def banks():
+    return bank.load_all(ROOT / "quizzes")
+
+
+def _english_seeds():
+    """{quiz number: [(question, [choices], correct index)]} and {(quiz, question): lab} from quizzes-en.md."""
+    quizzes, labs, current = {}, {}, None
+    for line in (SEEDS / "quizzes-en.md").read_text().splitlines():
+        if m := re.match(r"## Quiz (\d)", line):
+            current = quizzes.setdefault(int(m.group(1)), [])
+        elif current is not None and (m := re.match(r"\d+\. (.*)", line)):
+            current.append([m.group(1), [], None])
+        elif current is not None and (m := re.match(r"\s+- (.*)", line)):
+            text = m.group(1)
+            if text.endswith("**(correct)**"):
+                current[-1][2] = len(current[-1][1])
+                text = text[: -len("**(correct)**")].strip()
+            current[-1][1].append(text)
+        elif m := re.match(r"\| (FSDP|Model/pipeline) ([\d, ]+) \| (.*) \|", line):
+            for n in m.group(2).split(","):
+                labs[(1 if m.group(1) == "FSDP" else 2, n.strip())] = LABS[m.group(3)]
+    return quizzes, labs
+
+
+@pytest.mark.parametrize("number, quiz_id", [(1, "fsdp"), (2, "model-pipeline")])
+def test_seed_quizzes_are_keyed_and_placed_as_specified(banks, number, quiz_id):
+    seeds, labs = _english_seeds()
+    quiz = banks[quiz_id]
+    assert quiz.level == "hard"
+    assert [q.id for q in quiz.questions] == [str(i) for i in range(1, 9)]
+    for q, (text, choices, correct) in zip(quiz.questions, seeds[number]):
+        assert q.text["en"] == text
+        assert [c["en"] for c in q.choices] == choices
+        assert q.type == "single" and q.answer == {correct}, q.ref
+        assert q.lab == labs[(number, q.id)], q.ref
+        assert all(len(q.explanation[lang]) > 80 for lang in quiz.languages), q.ref
+
+
+def test_malay_seed_text_is_kept_verbatim(banks):
+    lines = (SEEDS / "fsdp-quiz.ms.txt").read_text().splitlines()
+    questions = []
+    for line in lines:
+        if m := re.match(r"\s+\d+\. (.*)", line):
+            questions.append([m.group(1).strip(), []])
+        elif m := re.match(r"\s+• (.*)", line):
+            questions[-1][1].append(m.group(1).strip())
+    quiz = banks["fsdp"]
+    assert quiz.title["ms"] == lines[2].strip() and quiz.description["ms"] == lines[4].strip()
+    for q, (text, choices) in zip(quiz.questions[:6], questions[:6]):  # 7-8 were in English
+        assert q.text["ms"] == text and [c["ms"] for c in q.choices] == choices, q.ref
+    for q in quiz.questions[6:]:
+        assert q.text["ms"] != q.text["en"]  # translated, so the quiz is whole in Malay
+
+
+def test_arabic_seed_text_is_kept_verbatim(banks):
+    lines = (SEEDS / "model-pipeline-parallel-quiz.ar.txt").read_text().splitlines()
+    items = [line[2:].strip() for line in lines if line.startswith("- ")]
+    groups = [items[i:i + 5] for i in range(0, 40, 5)]
+    quiz = banks["model-pipeline"]
+    assert quiz.title["ar"] == lines[1].strip() and quiz.description["ar"] == lines[2].strip()
+    for q, group in zip(quiz.questions[:6], groups[:6]):
+        assert [q.text["ar"]] + [c["ar"] for c in q.choices] == group, q.ref
+    for q in quiz.questions[6:]:
+        assert re.search(r"[\u0600-\u06FF]", q.text["ar"])  # translated into Arabic
+
+
+def test_every_bank_is_valid_and_numeric_questions_exist(banks):
+    assert {"fsdp", "model-pipeline", "welcome"} <= set(banks)
+    welcome = banks["welcome"]
+    assert len(welcome.questions) >= 5
+    assert any(q.type == "numeric" for q in welcome.questions)
+
+
+GOOD = """\
+id: {id}
+level: easy
+lab: 00_welcome
+languages: [en, ms]
+title: {{en: T, ms: T}}
+description: {{en: D, ms: D}}
+questions:
+  - id: q1
+    tags: [x]
+    text: {{en: Which one, ms: Yang mana}}
+    choices:
+      - {{en: A, ms: A}}
+      - {{en: B, ms: B}}
+    answer: a
+    explanation: {{en: Because., ms: Kerana.}}
+  - id: n1
+    type: numeric
+    tags: [x]
+    text: {{en: How many, ms: Berapa}}
+    answer: 3
+    tolerance: 0.5
+    explanation: {{en: Three., ms: Tiga.}}
+"""
+
+
+def _write(tmp_path, text, name="broken"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_good_fixture_loads(tmp_path):
+    quiz = bank.load(_write(tmp_path, GOOD.format(id="good"), "good"))
+    q1, n1 = quiz.questions
+    assert q1.is_correct([0]) and not q1.is_correct([1]) and not q1.is_correct(None)
+    assert n1.is_correct(3.4) and not n1.is_correct(3.6) and not n1.is_correct("x")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.replace("level: easy\n", ""), r"field 'level': missing"),
+    (lambda s: s.replace("    answer: a\n", ""), r"question q1: field 'answer' missing"),
+    (lambda s: s.replace("    answer: a\n", "    answer: []\n"), r"question q1: field 'answer': no correct choice given"),
+    (lambda s: s.replace("    answer: a\n", "    answer: [a, b]\n"),
+     r"question q1: field 'answer': a single-choice question needs exactly one correct choice, got a, b"),
+    (lambda s: s.replace("    answer: a\n", "    answer: e\n"), r"question q1: field 'answer': 'e' is not a choice letter \(a-b\)"),
+    (lambda s: s.replace("  - id: n1\n", "  - id: q1\n"), r"question q1: duplicate question id"),
+    (lambda s: s.replace("      - {en: B, ms: B}\n", ""), r"question q1: field 'choices': needs at least 2 choices, got 1"),
+    (lambda s: s.replace("[en, ms]", "[en, ms, fr]"), r"field 'languages': unknown language 'fr'"),
+    (lambda s: s.replace("{en: Which one, ms: Yang mana}", "{en: Which one}"), r"question q1: field 'text': missing language 'ms'"),
+    (lambda s: s.replace("{en: Because., ms: Kerana.}", "{en: Because., ms: Kerana., ar: x}"),
+     r"question q1: field 'explanation': unknown language 'ar' \(this quiz has en, ms\)"),
+    (lambda s: s.replace("    tolerance: 0.5\n", ""), r"question n1: field 'tolerance' missing: a numeric answer needs one"),
+    (lambda s: s.replace("    answer: 3\n", "    answer: three\n"), r"question n1: field 'answer': a numeric question needs a number"),
+    (lambda s: s.replace("id: broken", "id: other"), r"field 'id': 'other' must match the file name"),
+    (lambda s: s + "  - oops\n", r"question #3: expected a mapping"),
+    (lambda s: s.replace("title: {en: T, ms: T}", "title: [T]"), r"field 'title': expected text or a map"),
+    (lambda s: s.replace("level: easy", "level: [easy"), r"not valid YAML"),
+])
+def test_each_mistake_is_named_with_file_question_and_field(tmp_path, edit, message):
+    path = _write(tmp_path, edit(GOOD.format(id="broken")))
+    with pytest.raises(bank.QuizError) as info:
+        bank.load(path)
+    text = str(info.value)
+    assert str(path) in text
+    assert re.search(message, text), text
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    path = _write(tmp_path, GOOD.format(id="broken").replace("    answer: a\n", "").replace("    tolerance: 0.5\n", ""))
+    with pytest.raises(bank.QuizError) as info:
+        bank.load(path)
+    assert len(info.value.problems) == 2
+
+
+def test_quiz_ids_are_unique_because_they_match_file_names(tmp_path):
+    _write(tmp_path, GOOD.format(id="a"), "a")
+    path = _write(tmp_path, GOOD.format(id="a"), "b")  # a copy of a.yaml, id unchanged
+    with pytest.raises(bank.QuizError, match=r"field 'id': 'a' must match the file name"):
+        bank.load(path)
+
+
+def test_unquoted_colon_gets_a_hint(tmp_path):
+    text = GOOD.format(id="broken").replace("[en, ms]", "[en]").replace("      - {en: B, ms: B}", "      - B: it is b")
+    with pytest.raises(bank.QuizError, match="quote a text that contains ': '"):
+        bank.load(_write(tmp_path, text))
+
+
+def test_quiz_check_command(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check"], capture_output=True, text=True)
+    assert ok.returncode == 0 and re.search(r"ok: \d+ quiz bank\(s\)", ok.stdout), ok.stderr
+    _write(tmp_path, GOOD.format(id="broken").replace("    tolerance: 0.5\n", ""))
+    bad = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "broken.yaml: question n1: field 'tolerance' missing" in bad.stderr
