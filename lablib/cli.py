@@ -24,7 +24,32 @@ def main(argv=None) -> int:
     quiz_sub = quiz.add_subparsers(dest="quiz_command", required=True)
     qcheck = quiz_sub.add_parser("check", help="validate every quiz bank; exit 1 on any problem")
     qcheck.add_argument("folder", nargs="?", help="folder of *.yaml banks (default: the repository's quizzes/)")
+    rel = sub.add_parser("release", help="write learner notebooks from the solved sources")
+    rel.add_argument("source_dir", help="folder of source notebooks (e.g. labs/solutions)")
+    rel.add_argument("out_dir", help="where the learner copies go (e.g. labs)")
+    rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if a learner copy is out of date")
+    tdy = sub.add_parser("tidy", help="strip a source notebook's outputs except the ones nbval compares")
+    tdy.add_argument("notebooks", nargs="+", help="notebooks to tidy in place (e.g. labs/solutions/*.ipynb)")
+    grd = sub.add_parser("grade", help="re-execute learners' notebooks under nbval and write a gradebook")
+    grd.add_argument("submissions", help="one folder per learner, holding their notebooks and quiz_answers.json")
+    grd.add_argument("--release", required=True, help="the released notebooks the graded cells are restored from")
+    grd.add_argument("--out", default="gradebook.csv", help="gradebook CSV (reports go to <name>-reports/)")
+    grd.add_argument("--source", help="source notebooks: also run their hidden checks")
+    grd.add_argument("--cell-timeout", type=float, default=120.0, help="seconds per cell (default 120)")
     args = parser.parse_args(argv)
+    if args.command == "release":
+        return _release(args)
+    if args.command == "grade":
+        return _grade(args)
+    if args.command == "tidy":
+        import nbformat
+
+        from .grading import tidy
+
+        for path in args.notebooks:
+            nbformat.write(tidy(nbformat.read(path, as_version=4)), path)
+        print(f"tidied {len(args.notebooks)} notebook(s)")
+        return 0
     if args.command == "doctor":
         from .doctor import doctor as run_doctor
 
@@ -49,4 +74,39 @@ def _quiz_check(folder) -> int:
         kinds = sorted({q.type for q in b.questions})
         print(f"  {b.path.name}: {len(b.questions)} questions ({', '.join(kinds)}) in {', '.join(b.languages)}")
     print(f"ok: {len(banks)} quiz bank(s), {sum(len(b.questions) for b in banks.values())} questions")
+    return 0
+
+
+def _release(args) -> int:
+    from .grading import ReleaseError, release
+
+    try:
+        differ = release(args.source_dir, args.out_dir, check=args.check)
+    except ReleaseError as e:
+        print(f"release: {e}", file=sys.stderr)
+        return 1
+    if args.check:
+        if differ:
+            print(f"out of date in {args.out_dir}: {', '.join(differ)}; run: lablib release {args.source_dir} "
+                  f"{args.out_dir}", file=sys.stderr)
+            return 1
+        print(f"ok: the learner notebooks in {args.out_dir} match their sources")
+        return 0
+    print(f"released {args.source_dir} -> {args.out_dir}")
+    return 0
+
+
+def _grade(args) -> int:
+    from .grading import grade
+
+    try:
+        results = grade(args.submissions, args.release, args.out, args.source, args.cell_timeout)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        print(f"grade: {e}", file=sys.stderr)
+        return 2
+    for lab in results:
+        got, full = sum(i.points for i in lab.items), sum(i.max_points for i in lab.items)
+        flag = f"  (tampered: {', '.join(t.split(':')[0] for t in lab.tampered)})" if lab.tampered else ""
+        print(f"  {lab.learner:<20} {lab.lab:<24} {got:g}/{full:g}{flag}")
+    print(f"gradebook: {args.out}; reports: {args.out.rsplit('.', 1)[0]}-reports/")
     return 0

@@ -14,6 +14,7 @@ from .store import AnswerStore
 
 # Right-to-left layout for Arabic, applied by a class on the quiz's outer box.
 _STYLE = ("<style>.lablib-rtl, .lablib-rtl * {direction: rtl; text-align: right;} "
+          ".lablib-rtl .widget-radio-box input {float: right; margin: 0 1px 0 8px;} "  # ipywidgets floats it left
           ".lablib-quiz .widget-radio-box label, .lablib-quiz .widget-checkbox label {white-space: normal;}</style>")
 
 
@@ -178,6 +179,7 @@ class QuizView:
             self.widget.add_class("lablib-rtl")
         else:
             self.widget.remove_class("lablib-rtl")
+        self.prev.icon, self.next.icon = ("arrow-right", "arrow-left") if lang in RTL else ("arrow-left", "arrow-right")
         for v in self.views:
             v.set_language(lang)
         quiz = self.quiz

@@ -1,0 +1,448 @@
+"""One source per lab: release learner notebooks from it, and grade learners by re-executing theirs.
+
+A source notebook (``labs/solutions/NN_name.ipynb``) is the solved lab. In it:
+
+- ``### BEGIN SOLUTION Task 1.2: what to do`` ... ``### END SOLUTION`` marks a solution region; the
+  learner copy gets ``raise NotImplementedError("Task 1.2: what to do")`` in its place.
+- ``### BEGIN HIDDEN CHECKS`` ... ``### END HIDDEN CHECKS`` marks checks the learner does not see; they
+  run when grading with ``--source``.
+- A graded cell carries ``{"lablib": {"grade_id": "check-1.2", "points": 2}}`` in its metadata.
+- A cell tagged ``source-only`` is dropped from the learner copy (e.g. the one recording the quiz key).
+
+``release`` writes the learner copies: solutions stubbed, hidden checks and source-only cells removed,
+outputs stripped except where nbval compares them (cells marked ``# NBVAL_CHECK_OUTPUT``).
+
+``grade`` re-executes every learner's notebooks under ``pytest --nbval-lax`` after restoring each
+graded cell from the release (an edited or deleted check is put back and reported), then writes a
+gradebook (CSV) and a report per learner. See ``lablib grade --help``.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+BEGIN_SOLUTION = re.compile(r"^(\s*)### BEGIN SOLUTION\b\s*(.*)$")
+END_SOLUTION = re.compile(r"^\s*### END SOLUTION\b")
+BEGIN_HIDDEN = re.compile(r"^\s*### BEGIN HIDDEN CHECKS\b")
+END_HIDDEN = re.compile(r"^\s*### END HIDDEN CHECKS\b")
+CHECK_OUTPUT = "NBVAL_CHECK_OUTPUT"
+SOURCE_ONLY = "source-only"
+ANSWERS = "quiz_answers.json"
+SANITIZE = Path(__file__).resolve().parents[1] / "labs" / "nbval_sanitize.cfg"
+
+
+class ReleaseError(ValueError):
+    pass
+
+
+def grade_info(cell) -> dict | None:
+    """``{"grade_id": ..., "points": ...}`` of a graded cell, else None."""
+    info = cell.get("metadata", {}).get("lablib")
+    return info if isinstance(info, dict) and "grade_id" in info else None
+
+
+def _checksum(source: str) -> str:
+    return hashlib.sha256(source.strip().encode()).hexdigest()[:16]
+
+
+# -- release -----------------------------------------------------------------------------------------
+def _strip_regions(source: str, where: str, keep_hidden: bool) -> tuple[str, list[str]]:
+    """The learner's version of a cell's source, and the tasks whose solutions were stubbed."""
+    out, tasks = [], []
+    lines = source.split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        m = BEGIN_SOLUTION.match(line)
+        if m:
+            indent, task = m.group(1), m.group(2).strip()
+            if not re.match(r"Task \d+\.\d+", task):
+                raise ReleaseError(f"{where}, line {i + 1}: name the task after BEGIN SOLUTION, e.g. "
+                                   "'### BEGIN SOLUTION Task 1.2: pad the flat buffer'")
+            j = next((k for k in range(i + 1, len(lines)) if END_SOLUTION.match(lines[k])), None)
+            if j is None:
+                raise ReleaseError(f"{where}, line {i + 1}: BEGIN SOLUTION without END SOLUTION")
+            out += [f"{indent}# YOUR CODE HERE", f"{indent}raise NotImplementedError({task!r})"]
+            tasks.append(task)
+            i = j + 1
+            continue
+        if BEGIN_HIDDEN.match(line):
+            j = next((k for k in range(i + 1, len(lines)) if END_HIDDEN.match(lines[k])), None)
+            if j is None:
+                raise ReleaseError(f"{where}, line {i + 1}: BEGIN HIDDEN CHECKS without END HIDDEN CHECKS")
+            if keep_hidden:
+                out += lines[i + 1:j]
+            i = j + 1
+            continue
+        if END_SOLUTION.match(line) or END_HIDDEN.match(line):
+            raise ReleaseError(f"{where}, line {i + 1}: END marker without its BEGIN")
+        out.append(line)
+        i += 1
+    return "\n".join(out), tasks
+
+
+def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
+    """The learner copy of a source notebook (a new NotebookNode); raises ReleaseError on bad markers."""
+    nb = copy.deepcopy(nb)
+    cells, seen_ids = [], {}
+    pending_exercise = None
+    for index, cell in enumerate(nb.cells):
+        where = f"{name}: cell {index}"
+        if SOURCE_ONLY in cell.get("metadata", {}).get("tags", []):
+            continue
+        info = grade_info(cell)
+        if info is not None:
+            gid = info["grade_id"]
+            if gid in seen_ids:
+                raise ReleaseError(f"{where}: grade_id {gid!r} is also used by cell {seen_ids[gid]}")
+            seen_ids[gid] = index
+            if not (isinstance(info.get("points"), (int, float)) and info["points"] > 0):
+                raise ReleaseError(f"{where}: graded cell {gid!r} needs points > 0")
+        if cell.cell_type == "code":
+            if pending_exercise is not None and info is None:
+                raise ReleaseError(f"{name}: the exercise in cell {pending_exercise} must be followed by a graded "
+                                   f"check cell (cell {index} has no lablib.grade_id)")
+            pending_exercise = None
+            cell.source, tasks = _strip_regions(cell.source, where, keep_hidden)
+            if tasks:
+                pending_exercise = index
+        cells.append(cell)
+    if pending_exercise is not None:
+        raise ReleaseError(f"{name}: the exercise in cell {pending_exercise} must be followed by a graded check cell")
+    code = [c for c in cells if c.cell_type == "code"]
+    if code and "quiz.score(" not in code[-1].source:
+        raise ReleaseError(f"{name}: the last code cell must be the quiz score cell (lablib.quiz.score(...))")
+    nb.cells = cells
+    return tidy(nb)
+
+
+def tidy(nb):
+    """Outputs only where nbval compares them (``# NBVAL_CHECK_OUTPUT`` cells, numbered so nbval treats
+    them as run); no execution counts or timing metadata elsewhere. In place; returns ``nb``."""
+    count = 0
+    for cell in nb.cells:
+        for key in ("execution", "collapsed", "scrolled", "ExecuteTime"):
+            cell.get("metadata", {}).pop(key, None)
+        if cell.cell_type != "code":
+            continue
+        count += 1
+        keep = CHECK_OUTPUT in cell.source
+        cell.outputs = cell.outputs if keep else []
+        cell.execution_count = count if keep else None
+        for out in cell.outputs:
+            if "execution_count" in out:
+                out["execution_count"] = count
+    return nb
+
+
+def release(source_dir, out_dir, check: bool = False) -> list[str]:
+    """Write the learner copy of every notebook in ``source_dir`` to ``out_dir``.
+
+    With ``check=True`` nothing is written; the names of copies that differ are returned."""
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    sources = sorted(source_dir.glob("*.ipynb"))
+    if not sources:
+        raise ReleaseError(f"{source_dir}: no notebooks to release")
+    differ = []
+    for path in sources:
+        learner = release_notebook(nbformat.read(path, as_version=4), path.name)
+        text = nbformat.writes(learner) + "\n"
+        target = out_dir / path.name
+        if check:
+            if not target.exists() or target.read_text() != text:
+                differ.append(path.name)
+        else:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    return differ
+
+
+# -- grade -------------------------------------------------------------------------------------------
+@dataclass
+class Item:
+    learner: str
+    lab: str
+    item: str
+    kind: str            # "check" or "quiz"
+    points: float
+    max_points: float
+    status: str          # passed / failed / timed out / not run / correct / wrong / unanswered / missing notebook
+    detail: str = ""
+
+
+@dataclass
+class LabResult:
+    learner: str
+    lab: str
+    items: list[Item] = field(default_factory=list)
+    tampered: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def restore_graded_cells(submitted, released, reference=None) -> tuple[object, list[str]]:
+    """The submitted notebook with every graded cell put back as in ``reference`` (default: the
+    release; the source's version when hidden checks should run too).
+
+    Returns (notebook, reports): a report per graded cell that differs from the release (edited) or
+    is missing (deleted). A deleted cell is re-inserted after the cell that precedes it in the release
+    (matched by grade id or source)."""
+    reference = reference or released
+    nb = copy.deepcopy(submitted)
+    ref_cells = released.cells
+    as_released = {grade_info(c)["grade_id"]: c for c in ref_cells if grade_info(c)}
+    graded = {grade_info(c)["grade_id"]: c for c in reference.cells if grade_info(c)}
+    reports, kept, seen = [], [], set()
+    for cell in nb.cells:
+        info = grade_info(cell)
+        gid = info["grade_id"] if info else None
+        if gid in graded:
+            if gid in seen:
+                reports.append(f"{gid}: duplicated; the copy was removed")
+                continue
+            seen.add(gid)
+            if _checksum(cell.source) != _checksum(as_released[gid].source) or info != grade_info(as_released[gid]):
+                reports.append(f"{gid}: edited; restored from the release")
+            cell = copy.deepcopy(graded[gid])
+            cell.outputs, cell.execution_count = [], None
+        kept.append(cell)
+    for i, ref in enumerate(ref_cells):
+        info = grade_info(ref)
+        if not info or info["grade_id"] in seen:
+            continue
+        # Re-insert after the reference's previous cell, found in the submission by grade id or source.
+        position = 0
+        for prev in reversed(ref_cells[:i]):
+            pinfo = grade_info(prev)
+            match = next((k for k, c in enumerate(kept) if (pinfo and grade_info(c) == pinfo)
+                          or (not pinfo and c.source.strip() == prev.source.strip() and prev.source.strip())), None)
+            if match is not None:
+                position = match + 1
+                break
+        restored = copy.deepcopy(graded[info["grade_id"]])
+        restored.outputs, restored.execution_count = [], None
+        kept.insert(position, restored)
+        seen.add(info["grade_id"])
+        reports.append(f"{info['grade_id']}: deleted; restored from the release")
+    nb.cells = kept
+    return nb, reports
+
+
+def _code_cell_ids(nb) -> dict[int, str]:
+    """nbval's "Cell N" (N counts code cells) -> grade id, for graded cells."""
+    out, n = {}, 0
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            info = grade_info(cell)
+            if info:
+                out[n] = info["grade_id"]
+            n += 1
+    return out
+
+
+def _junit_results(path: Path) -> dict[tuple[str, int], tuple[str, str]]:
+    """{(notebook file name, cell number): (status, message)} from pytest's JUnit XML."""
+    results = {}
+    if not path.exists():
+        return results
+    for case in ET.parse(path).getroot().iter("testcase"):
+        m = re.match(r"Cell (\d+)$", case.get("name", ""))
+        if not m:
+            continue
+        notebook = case.get("classname", "").split(".ipynb")[0].split(".")[-1].split("/")[-1] + ".ipynb"
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        if failure is not None:
+            text = (failure.get("message", "") + "\n" + (failure.text or "")).strip()
+            status = "timed out" if "Timeout of" in text else "failed"
+            results[(notebook, int(m.group(1)))] = (status, _clean_failure(text))
+        elif case.find("skipped") is not None:
+            results[(notebook, int(m.group(1)))] = ("not run", "skipped")
+        else:
+            results[(notebook, int(m.group(1)))] = ("passed", "")
+    return results
+
+
+def _clean_failure(text: str) -> str:
+    """The last lines that explain a failed cell: the error and its message, without colour codes."""
+    text = re.sub(r"(\x1b|#x1B)\[[0-9;]*m", "", text)  # colours, raw or as JUnit XML escapes them
+    lines = [line for line in text.splitlines() if line.strip()]
+    timeout = next((line.strip() for line in lines if "Timeout of" in line), None)
+    if timeout:
+        return timeout + " (the kernel was interrupted, and grading went on with the next cell)"
+    for k in range(len(lines) - 1, -1, -1):  # from the last exception line on
+        if re.match(r"(\w+\.)*\w*(Error|Exception|Interrupt|Failed)\b", lines[k].strip()):
+            return "\n".join(lines[k:k + 12])
+    return "\n".join(lines[-8:])
+
+
+def _kill_tagged(tag: str):
+    """Kill every process whose environment carries ``LABLIB_GRADE_TAG=tag`` (kernels, their ranks)."""
+    needle = f"LABLIB_GRADE_TAG={tag}".encode()
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def _run_nbval(workdir: Path, notebooks: list[str], cell_timeout: float, total_timeout: float) -> tuple[Path, str]:
+    junit = workdir / ".junit.xml"
+    tag = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LABLIB_ANSWERS")}
+    env["LABLIB_GRADE_TAG"] = tag
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "--nbval-lax",
+           "--nbval-current-env", f"--nbval-cell-timeout={cell_timeout:g}", f"--junitxml={junit}",
+           "--rootdir", str(workdir), "-q"]
+    if SANITIZE.exists():
+        cmd.append(f"--nbval-sanitize-with={SANITIZE}")
+    proc = subprocess.Popen(cmd + notebooks, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    note = ""
+    try:
+        out, _ = proc.communicate(timeout=total_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        note = f"grading stopped after {total_timeout:.0f} s; cells not reached count as not run"
+    finally:
+        _kill_tagged(tag)  # nothing the learner's notebook started outlives its grading
+    if proc.returncode not in (0, 1) and not junit.exists():
+        note = note or f"pytest could not run this learner's notebooks:\n{out[-2000:]}"
+    return junit, note
+
+
+def grade(submissions, release_dir, out, source_dir=None, cell_timeout: float = 120.0) -> list[LabResult]:
+    """Grade every learner folder in ``submissions``; write the gradebook CSV ``out`` and a report per
+    learner in ``<out stem>-reports/``. Returns the results."""
+    from . import quiz
+
+    submissions, release_dir, out = Path(submissions), Path(release_dir), Path(out)
+    releases = {p.name: nbformat.read(p, as_version=4) for p in sorted(release_dir.glob("*.ipynb"))}
+    if not releases:
+        raise FileNotFoundError(f"{release_dir}: no released notebooks to grade against")
+    if not submissions.is_dir():
+        raise FileNotFoundError(f"{submissions}: no such folder of submissions (one folder per learner)")
+    references = dict(releases)
+    if source_dir is not None:  # hidden checks run too: graded cells come from the source
+        references = {name: release_notebook(nbformat.read(Path(source_dir) / name, as_version=4), name,
+                                             keep_hidden=True) for name in releases}
+    learners = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
+    results: list[LabResult] = []
+    for folder in learners:
+        results += _grade_learner(folder, releases, references, cell_timeout, quiz)
+    _write_gradebook(results, out)
+    _write_reports(results, out.with_name(out.stem + "-reports"))
+    return results
+
+
+def _grade_learner(folder: Path, releases, references, cell_timeout, quiz) -> list[LabResult]:
+    learner = folder.name
+    work = Path(tempfile.mkdtemp(prefix=f"lablib-grade-{learner}-"))
+    try:
+        labs, present = {}, []
+        for name, reference in references.items():
+            lab = LabResult(learner, Path(name).stem)
+            labs[name] = lab
+            submitted_path = folder / name
+            if not submitted_path.exists():
+                lab.note = "notebook not submitted"
+                continue
+            try:
+                submitted = nbformat.read(submitted_path, as_version=4)
+            except Exception as exc:  # unreadable JSON: graded 0, grading goes on
+                lab.note = f"notebook could not be read: {exc}"
+                continue
+            restored, lab.tampered = restore_graded_cells(submitted, releases[name], reference)
+            nbformat.write(restored, work / name)
+            present.append(name)
+        if (folder / ANSWERS).exists():
+            shutil.copy2(folder / ANSWERS, work / ANSWERS)
+        cells = sum(sum(c.cell_type == "code" for c in references[n].cells) for n in present)
+        junit, note = (_run_nbval(work, present, cell_timeout, cell_timeout * cells + 300) if present
+                       else (work / ".none", ""))
+        results = _junit_results(junit)
+        store = quiz.AnswerStore(work / ANSWERS)
+        answers = store.load()
+        for name, lab in labs.items():
+            lab.note = lab.note or note
+            graded_nb = nbformat.read(work / name, as_version=4) if name in present else references[name]
+            for number, gid in _code_cell_ids(graded_nb).items():
+                info = next(grade_info(c) for c in references[name].cells if grade_info(c) and
+                            grade_info(c)["grade_id"] == gid)
+                status, detail = results.get((name, number), ("not run", lab.note or "notebook not submitted"))
+                if name not in present:
+                    status, detail = "missing notebook", lab.note
+                pts = float(info["points"]) if status == "passed" else 0.0
+                lab.items.append(Item(learner, lab.lab, gid, "check", pts, float(info["points"]), status, detail))
+            try:
+                lab_questions = quiz.questions(lab.lab)
+            except KeyError:
+                lab_questions = []
+            for q in lab_questions:
+                rec = answers.get(q.ref)
+                ok = rec is not None and q.is_correct(rec.get("response"))
+                status = "correct" if ok else ("unanswered" if rec is None else "wrong")
+                lab.items.append(Item(learner, lab.lab, q.ref, "quiz", 1.0 if ok else 0.0, 1.0, status,
+                                      "" if rec is None else f"attempts: {rec.get('attempts', 1)}"))
+            if store.warning:
+                lab.note = (lab.note + "\n" if lab.note else "") + store.warning
+        return list(labs.values())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_gradebook(results: list[LabResult], out: Path):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["learner", "lab", "item", "kind", "points", "max_points", "status"])
+        for lab in results:
+            for it in lab.items:
+                writer.writerow([it.learner, it.lab, it.item, it.kind, f"{it.points:g}", f"{it.max_points:g}", it.status])
+            writer.writerow([lab.learner, lab.lab, "TOTAL", "total", f"{sum(i.points for i in lab.items):g}",
+                             f"{sum(i.max_points for i in lab.items):g}",
+                             f"tampered: {len(lab.tampered)}" if lab.tampered else ""])
+
+
+def _write_reports(results: list[LabResult], folder: Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    by_learner: dict[str, list[LabResult]] = {}
+    for lab in results:
+        by_learner.setdefault(lab.learner, []).append(lab)
+    for learner, labs in by_learner.items():
+        lines = [f"# {learner}", ""]
+        for lab in labs:
+            got, full = sum(i.points for i in lab.items), sum(i.max_points for i in lab.items)
+            lines += [f"## {lab.lab}: {got:g} / {full:g} points", ""]
+            if lab.note:
+                lines += [f"Note: {lab.note}", ""]
+            for t in lab.tampered:
+                lines.append(f"- Tampered check cell {t}.")
+            for it in lab.items:
+                mark = "✓" if it.points == it.max_points and it.max_points else "✗"
+                lines.append(f"- {mark} {it.item} ({it.kind}): {it.status}, {it.points:g}/{it.max_points:g}")
+                if it.detail and it.kind == "check" and it.status != "passed":
+                    lines += ["", "  ```", *[f"  {d}" for d in it.detail.splitlines()], "  ```", ""]
+            lines.append("")
+        (folder / f"{learner}.md").write_text("\n".join(lines))
