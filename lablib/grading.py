@@ -35,7 +35,6 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
 
 BEGIN_SOLUTION = re.compile(r"^(\s*)### BEGIN SOLUTION\b\s*(.*)$")
 END_SOLUTION = re.compile(r"^\s*### END SOLUTION\b")
@@ -55,6 +54,28 @@ def grade_info(cell) -> dict | None:
     """``{"grade_id": ..., "points": ...}`` of a graded cell, else None."""
     info = cell.get("metadata", {}).get("lablib")
     return info if isinstance(info, dict) and "grade_id" in info else None
+
+
+def read_notebook(path) -> dict:
+    """A notebook as plain JSON, sources joined into strings. Grading reads notebooks this way: importing
+    nbformat costs over a second here (its schema validator), paid again by every grading process."""
+    nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise ValueError(f"{path}: not a notebook (no list of cells)")
+    for cell in nb["cells"]:
+        if isinstance(cell.get("source"), list):
+            cell["source"] = "".join(cell["source"])
+        cell.setdefault("metadata", {})
+        if cell.get("cell_type") == "code":
+            cell.setdefault("outputs", [])
+    return nb
+
+
+def _blank(cell) -> dict:
+    """A copy of ``cell`` as never run."""
+    cell = copy.deepcopy(cell)
+    cell["outputs"], cell["execution_count"] = [], None
+    return cell
 
 
 def _checksum(source: str) -> str:
@@ -102,7 +123,7 @@ def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
     nb = copy.deepcopy(nb)
     cells, seen_ids = [], {}
     pending_exercise = None
-    for index, cell in enumerate(nb.cells):
+    for index, cell in enumerate(nb["cells"]):
         where = f"{name}: cell {index}"
         if SOURCE_ONLY in cell.get("metadata", {}).get("tags", []):
             continue
@@ -114,21 +135,21 @@ def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
             seen_ids[gid] = index
             if not (isinstance(info.get("points"), (int, float)) and info["points"] > 0):
                 raise ReleaseError(f"{where}: graded cell {gid!r} needs points > 0")
-        if cell.cell_type == "code":
+        if cell["cell_type"] == "code":
             if pending_exercise is not None and info is None:
                 raise ReleaseError(f"{name}: the exercise in cell {pending_exercise} must be followed by a graded "
                                    f"check cell (cell {index} has no lablib.grade_id)")
             pending_exercise = None
-            cell.source, tasks = _strip_regions(cell.source, where, keep_hidden)
+            cell["source"], tasks = _strip_regions(cell["source"], where, keep_hidden)
             if tasks:
                 pending_exercise = index
         cells.append(cell)
     if pending_exercise is not None:
         raise ReleaseError(f"{name}: the exercise in cell {pending_exercise} must be followed by a graded check cell")
-    code = [c for c in cells if c.cell_type == "code"]
-    if code and "quiz.score(" not in code[-1].source:
+    code = [c for c in cells if c["cell_type"] == "code"]
+    if code and "quiz.score(" not in code[-1]["source"]:
         raise ReleaseError(f"{name}: the last code cell must be the quiz score cell (lablib.quiz.score(...))")
-    nb.cells = cells
+    nb["cells"] = cells
     return tidy(nb)
 
 
@@ -136,16 +157,16 @@ def tidy(nb):
     """Outputs only where nbval compares them (``# NBVAL_CHECK_OUTPUT`` cells, numbered so nbval treats
     them as run); no execution counts or timing metadata elsewhere. In place; returns ``nb``."""
     count = 0
-    for cell in nb.cells:
+    for cell in nb["cells"]:
         for key in ("execution", "collapsed", "scrolled", "ExecuteTime"):
             cell.get("metadata", {}).pop(key, None)
-        if cell.cell_type != "code":
+        if cell["cell_type"] != "code":
             continue
         count += 1
-        keep = CHECK_OUTPUT in cell.source
-        cell.outputs = cell.outputs if keep else []
-        cell.execution_count = count if keep else None
-        for out in cell.outputs:
+        keep = CHECK_OUTPUT in cell["source"]
+        cell["outputs"] = cell["outputs"] if keep else []
+        cell["execution_count"] = count if keep else None
+        for out in cell["outputs"]:
             if "execution_count" in out:
                 out["execution_count"] = count
     return nb
@@ -161,6 +182,8 @@ def release(source_dir, out_dir, check: bool = False) -> list[str]:
         raise ReleaseError(f"{source_dir}: no notebooks to release")
     differ = []
     for path in sources:
+        import nbformat  # the canonical formatting, so committed copies diff cleanly
+
         learner = release_notebook(nbformat.read(path, as_version=4), path.name)
         text = nbformat.writes(learner) + "\n"
         target = out_dir / path.name
@@ -204,11 +227,11 @@ def restore_graded_cells(submitted, released, reference=None) -> tuple[object, l
     (matched by grade id or source)."""
     reference = reference or released
     nb = copy.deepcopy(submitted)
-    ref_cells = released.cells
+    ref_cells = released["cells"]
     as_released = {grade_info(c)["grade_id"]: c for c in ref_cells if grade_info(c)}
-    graded = {grade_info(c)["grade_id"]: c for c in reference.cells if grade_info(c)}
+    graded = {grade_info(c)["grade_id"]: c for c in reference["cells"] if grade_info(c)}
     reports, kept, seen = [], [], set()
-    for cell in nb.cells:
+    for cell in nb["cells"]:
         info = grade_info(cell)
         gid = info["grade_id"] if info else None
         if gid in graded:
@@ -216,10 +239,9 @@ def restore_graded_cells(submitted, released, reference=None) -> tuple[object, l
                 reports.append(f"{gid}: duplicated; the copy was removed")
                 continue
             seen.add(gid)
-            if _checksum(cell.source) != _checksum(as_released[gid].source) or info != grade_info(as_released[gid]):
+            if _checksum(cell["source"]) != _checksum(as_released[gid]["source"]) or info != grade_info(as_released[gid]):
                 reports.append(f"{gid}: edited; restored from the release")
-            cell = copy.deepcopy(graded[gid])
-            cell.outputs, cell.execution_count = [], None
+            cell = _blank(graded[gid])
         kept.append(cell)
     for i, ref in enumerate(ref_cells):
         info = grade_info(ref)
@@ -230,24 +252,22 @@ def restore_graded_cells(submitted, released, reference=None) -> tuple[object, l
         for prev in reversed(ref_cells[:i]):
             pinfo = grade_info(prev)
             match = next((k for k, c in enumerate(kept) if (pinfo and grade_info(c) == pinfo)
-                          or (not pinfo and c.source.strip() == prev.source.strip() and prev.source.strip())), None)
+                          or (not pinfo and c["source"].strip() == prev["source"].strip() and prev["source"].strip())), None)
             if match is not None:
                 position = match + 1
                 break
-        restored = copy.deepcopy(graded[info["grade_id"]])
-        restored.outputs, restored.execution_count = [], None
-        kept.insert(position, restored)
+        kept.insert(position, _blank(graded[info["grade_id"]]))
         seen.add(info["grade_id"])
         reports.append(f"{info['grade_id']}: deleted; restored from the release")
-    nb.cells = kept
+    nb["cells"] = kept
     return nb, reports
 
 
 def _code_cell_ids(nb) -> dict[int, str]:
     """nbval's "Cell N" (N counts code cells) -> grade id, for graded cells."""
     out, n = {}, 0
-    for cell in nb.cells:
-        if cell.cell_type == "code":
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
             info = grade_info(cell)
             if info:
                 out[n] = info["grade_id"]
@@ -338,14 +358,14 @@ def grade(submissions, release_dir, out, source_dir=None, cell_timeout: float = 
     from . import quiz
 
     submissions, release_dir, out = Path(submissions), Path(release_dir), Path(out)
-    releases = {p.name: nbformat.read(p, as_version=4) for p in sorted(release_dir.glob("*.ipynb"))}
+    releases = {p.name: read_notebook(p) for p in sorted(release_dir.glob("*.ipynb"))}
     if not releases:
         raise FileNotFoundError(f"{release_dir}: no released notebooks to grade against")
     if not submissions.is_dir():
         raise FileNotFoundError(f"{submissions}: no such folder of submissions (one folder per learner)")
     references = dict(releases)
     if source_dir is not None:  # hidden checks run too: graded cells come from the source
-        references = {name: release_notebook(nbformat.read(Path(source_dir) / name, as_version=4), name,
+        references = {name: release_notebook(read_notebook(Path(source_dir) / name), name,
                                              keep_hidden=True) for name in releases}
     learners = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
     results: list[LabResult] = []
@@ -369,16 +389,16 @@ def _grade_learner(folder: Path, releases, references, cell_timeout, quiz) -> li
                 lab.note = "notebook not submitted"
                 continue
             try:
-                submitted = nbformat.read(submitted_path, as_version=4)
+                submitted = read_notebook(submitted_path)
             except Exception as exc:  # unreadable JSON: graded 0, grading goes on
                 lab.note = f"notebook could not be read: {exc}"
                 continue
             restored, lab.tampered = restore_graded_cells(submitted, releases[name], reference)
-            nbformat.write(restored, work / name)
+            (work / name).write_text(json.dumps(restored, indent=1, ensure_ascii=False))
             present.append(name)
         if (folder / ANSWERS).exists():
             shutil.copy2(folder / ANSWERS, work / ANSWERS)
-        cells = sum(sum(c.cell_type == "code" for c in references[n].cells) for n in present)
+        cells = sum(sum(c["cell_type"] == "code" for c in references[n]["cells"]) for n in present)
         junit, note = (_run_nbval(work, present, cell_timeout, cell_timeout * cells + 300) if present
                        else (work / ".none", ""))
         results = _junit_results(junit)
@@ -386,9 +406,9 @@ def _grade_learner(folder: Path, releases, references, cell_timeout, quiz) -> li
         answers = store.load()
         for name, lab in labs.items():
             lab.note = lab.note or note
-            graded_nb = nbformat.read(work / name, as_version=4) if name in present else references[name]
+            graded_nb = read_notebook(work / name) if name in present else references[name]
             for number, gid in _code_cell_ids(graded_nb).items():
-                info = next(grade_info(c) for c in references[name].cells if grade_info(c) and
+                info = next(grade_info(c) for c in references[name]["cells"] if grade_info(c) and
                             grade_info(c)["grade_id"] == gid)
                 status, detail = results.get((name, number), ("not run", lab.note or "notebook not submitted"))
                 if name not in present:

@@ -79,6 +79,8 @@ def course(tmp_path_factory):
                 store.record(q.ref, q.answer if q.type == "numeric" else sorted(q.answer), True)
             store.record("welcome/backend", [0], False)
     (subs / "empty").mkdir()  # a learner who submitted nothing
+    (subs / "garbled").mkdir()
+    (subs / "garbled" / f"{LAB}.ipynb").write_text("{ not a notebook")
     out = root / "gradebook.csv"
     proc = subprocess.run([sys.executable, "-m", "lablib", "grade", str(subs), "--release", str(root / "release"),
                            "--source", str(root / "source"), "--out", str(out), "--cell-timeout", "8"],
@@ -137,6 +139,11 @@ def test_an_edited_check_is_restored_and_reported(course):
     assert "(tampered: check-9.1)" in stdout
 
 
+def test_an_unreadable_notebook_is_graded_zero_with_the_reason(course):
+    root, _, _, _ = course
+    assert "notebook could not be read" in (root / "gradebook-reports" / "garbled.md").read_text()
+
+
 def test_a_deleted_check_is_put_back(course):
     _, _, rows, _ = course
     assert _points(rows, "deleted", "check-9.1") == (0, 2, "failed")
@@ -160,8 +167,9 @@ def test_crashing_rank_code_is_graded_zero_with_the_reason(course):
 def test_every_learner_is_graded_in_one_run_and_nothing_is_left_running(course):
     _, _, rows, _ = course
     learners = {r["learner"] for r in rows}
-    assert learners == {"untouched", "solved", "partial", "tampered", "hangs", "crashes", "deleted", "empty"}
+    assert learners == {"untouched", "solved", "partial", "tampered", "hangs", "crashes", "deleted", "empty", "garbled"}
     assert _points(rows, "empty", "check-9.1")[2] == "missing notebook"
+    assert _points(rows, "garbled", "check-9.1")[2] == "missing notebook"
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = open(f"/proc/{pid}/environ", "rb").read()
