@@ -27,16 +27,21 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["Cluster", "RankError", "cluster", "load_ipython_extension"]
 
 
+_MODULES = {"checks", "comm", "doctor", "fsdp", "grading", "memory", "quiz", "sharding", "timeline"}
+
+
 def __getattr__(name):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
+    if name in _MODULES:  # lablib.sharding etc. work without importing them first
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'lablib' has no attribute {name!r}")
 
 
 def __dir__():
-    return __all__
+    return __all__ + sorted(_MODULES)
 
 
 def load_ipython_extension(ipython):

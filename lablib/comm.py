@@ -17,6 +17,7 @@ from .timeline import AsyncSpan, span
 # PyTorch 2.13 renamed the tensor-in/tensor-out collectives and warns on the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+untraced_all_gather = _all_gather_single  # for checks, which are no part of what a timeline shows
 
 
 def device() -> torch.device:
@@ -48,10 +49,33 @@ class Work:
         return getattr(self._work, name)
 
 
-def _traced(name, nbytes, async_op, call, tensor):
+# Bytes one rank sends for a message of ``size`` bytes (the tensor it passes in) on ``n`` ranks, in the
+# bandwidth-optimal ring algorithms; nccl-tests' "bus bandwidth" rests on the same counts.
+RING_SENT = {
+    "all_reduce": lambda size, n: 2 * (n - 1) / n * size,   # reduce-scatter, then all-gather
+    "all_gather": lambda size, n: (n - 1) * size,            # size: this rank's shard
+    "reduce_scatter": lambda size, n: (n - 1) / n * size,    # size: the full input
+    "broadcast": lambda size, n: size,
+    "send": lambda size, n: size,
+    "recv": lambda size, n: 0,
+    "all_to_all": lambda size, n: (n - 1) / n * size,
+    "barrier": lambda size, n: 0,
+}
+
+
+def bytes_sent(timeline, rank: int | None = None) -> float:
+    """Bytes sent, by the ring algorithms, in the traced collectives of ``timeline`` (one rank, or the
+    average over ranks)."""
+    ranks = [rank] if rank is not None else list(range(timeline.world_size))
+    total = sum(RING_SENT[s.meta["op"]](s.bytes or 0, timeline.world_size)
+                for s in timeline.spans if s.kind == "comm" and s.rank in ranks and "op" in s.meta)
+    return total / len(ranks)
+
+
+def _traced(name, nbytes, async_op, call, tensor, op):
     if async_op:
-        return Work(call(), AsyncSpan(name, "comm", nbytes))
-    with span(name, "comm", bytes=nbytes):
+        return Work(call(), AsyncSpan(name, "comm", nbytes, op=op))
+    with span(name, "comm", bytes=nbytes, op=op):
         out = call()
         if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
             torch.cuda.synchronize(tensor.device)
@@ -59,45 +83,48 @@ def _traced(name, nbytes, async_op, call, tensor):
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="all_reduce"):
-    return _traced(name, tensor.nbytes, async_op, lambda: dist.all_reduce(tensor, op, group, async_op), tensor)
+    return _traced(name, tensor.nbytes, async_op, lambda: dist.all_reduce(tensor, op, group, async_op), tensor,
+                   "all_reduce")
 
 
 def all_gather(output, input, group=None, async_op=False, name="all_gather"):
     """``output`` (world_size * n elements) receives every rank's ``input`` (n elements), in rank order."""
-    return _traced(name, input.nbytes, async_op, lambda: _all_gather_single(output, input, group, async_op), input)
+    return _traced(name, input.nbytes, async_op, lambda: _all_gather_single(output, input, group, async_op), input,
+                   "all_gather")
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
     return _traced(name, input.nbytes, async_op,
-                   lambda: _reduce_scatter_single(output, input, op, group, async_op), input)
+                   lambda: _reduce_scatter_single(output, input, op, group, async_op), input, "reduce_scatter")
 
 
 def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
-    return _traced(name, tensor.nbytes, async_op, lambda: dist.broadcast(tensor, src, group, async_op), tensor)
+    return _traced(name, tensor.nbytes, async_op, lambda: dist.broadcast(tensor, src, group, async_op), tensor,
+                   "broadcast")
 
 
 def all_to_all(output, input, group=None, async_op=False, name="all_to_all"):
     return _traced(name, input.nbytes, async_op,
-                   lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), input)
+                   lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), input, "all_to_all")
 
 
 def barrier(group=None, name="barrier"):
-    with span(name, "comm", bytes=0):
+    with span(name, "comm", bytes=0, op="barrier"):
         dist.barrier(group)
 
 
 def send(tensor, dst, group=None, name=None):
-    return _traced(name or f"send to {dst}", tensor.nbytes, False, lambda: dist.send(tensor, dst, group), tensor)
+    return _traced(name or f"send to {dst}", tensor.nbytes, False, lambda: dist.send(tensor, dst, group), tensor, "send")
 
 
 def recv(tensor, src, group=None, name=None):
-    return _traced(name or f"recv from {src}", tensor.nbytes, False, lambda: dist.recv(tensor, src, group), tensor)
+    return _traced(name or f"recv from {src}", tensor.nbytes, False, lambda: dist.recv(tensor, src, group), tensor, "recv")
 
 
 def isend(tensor, dst, group=None, name=None):
-    return _traced(name or f"send to {dst}", tensor.nbytes, True, lambda: dist.isend(tensor, dst, group), tensor)
+    return _traced(name or f"send to {dst}", tensor.nbytes, True, lambda: dist.isend(tensor, dst, group), tensor, "send")
 
 
 def irecv(tensor, src, group=None, name=None):
-    return _traced(name or f"recv from {src}", tensor.nbytes, True, lambda: dist.irecv(tensor, src, group), tensor)
+    return _traced(name or f"recv from {src}", tensor.nbytes, True, lambda: dist.irecv(tensor, src, group), tensor, "recv")

@@ -1,0 +1,121 @@
+"""ZeRO-3 / FSDP: each rank keeps only its shard of the parameters; a unit's full parameters exist
+only while that unit computes (ZeRO, Rajbhandari et al. 2019; PyTorch FSDP, Zhao et al. 2023,
+https://arxiv.org/abs/2304.11277).
+
+Per step and unit: all-gather before the forward, free after it; all-gather again before the backward,
+free after it; reduce-scatter the gradient so each rank keeps its shard. That is 3 collectives of the
+unit's size where replicated DP needs one all-reduce (= 2): FSDP sends 1.5x the bytes of DP.
+
+This file's backward recomputes each unit's forward from its saved input, so the order of the
+collectives is plain to read. PyTorch's FSDP instead keeps the activations and re-gathers parameters
+in autograd hooks; it sends the same bytes. ``fsdp2_train`` runs PyTorch's FSDP2 (``fully_shard``) on
+the same model and batches, for comparison.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import comm
+from .sharding import Context, Optimizer, Unit, batch, build_model, flat_grad, loss_fn
+from .timeline import span
+
+
+def unshard(unit: Unit, ctx: Context) -> None:
+    """Make the unit's full parameters exist: allocate the flat buffer, gather every rank's shard."""
+    unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
+    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
+
+
+def reshard(unit: Unit) -> None:
+    """Free the full parameters; only this rank's shard remains (the module's views stay valid and
+    see the data again after the next unshard)."""
+    unit.flat.untyped_storage().resize_(0)
+
+
+def forward_backward(units: list[Unit], x, y, ctx: Context, unshard=unshard, reshard=reshard):
+    """One ZeRO-3 forward and backward; leaves each unit's gradient shard in ``unit.grad``."""
+    inputs, h = [], x
+    with torch.no_grad():
+        for i, u in enumerate(units):
+            inputs.append(h)
+            unshard(u, ctx)
+            with span(f"fwd unit {i}"):
+                h = u.module(h)
+            reshard(u)
+    with span("loss"):
+        h = h.detach().requires_grad_(True)
+        loss = loss_fn(h, y)
+        loss.backward()
+        grad = h.grad
+    for i in reversed(range(len(units))):
+        u = units[i]
+        unshard(u, ctx)
+        with span(f"bwd unit {i}"):
+            inp = inputs[i].detach().requires_grad_(inputs[i].is_floating_point())
+            out = u.module(inp)  # recompute the forward, this time recording the graph
+            out.backward(grad)
+            grad = inp.grad
+        full = flat_grad(u)
+        u.grad = torch.empty(u.layout.shard_numel, dtype=full.dtype)
+        comm.reduce_scatter(u.grad, full, name="reduce_scatter grads")
+        u.grad /= ctx.world_size
+        reshard(u)
+    return loss
+
+
+def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer()) -> dict:
+    """PyTorch's FSDP2 on the same model, initial weights and batches (run inside ``cluster.run``).
+
+    Returns each parameter's local shard (as FSDP2 holds it: dim 0 split with ``torch.chunk``), its
+    full value, and the bytes this rank holds for parameters, gradients and optimizer state."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if optimizer.name != "sgd":
+        raise ValueError("compare with SGD: Adam amplifies rounding differences into visible ones")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model(model_name)
+    for unit in model:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=optimizer.lr, momentum=optimizer.momentum)
+    for step in range(steps):
+        opt.zero_grad()  # here, not after step(): the last step's gradients stay to be measured
+        x, y = batch(model_name, step, rank)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    seen, held = set(), {"params": 0, "grads": 0, "optimizer": 0}
+
+    def add(kind, t):
+        storage = t.to_local().untyped_storage() if hasattr(t, "to_local") else t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held[kind] += storage.nbytes()
+
+    for p in model.parameters():
+        add("params", p)
+        if p.grad is not None:
+            add("grads", p.grad)
+        for t in opt.state[p].values():
+            if isinstance(t, torch.Tensor):
+                add("optimizer", t)
+    params = [(name, p.to_local().detach().clone(), p.full_tensor().detach().clone())
+              for name, p in model.named_parameters()]
+    return {"params": params, "memory": held}
+
+
+def unflatten(model_name: str, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our per-unit flat parameters as {parameter name: tensor}, named as in the model."""
+    model, out = build_model(model_name), {}
+    for (i, unit), flat in zip(enumerate(model), flats):
+        o = 0
+        for name, p in unit.named_parameters():
+            out[f"{i}.{name}"] = flat[o:o + p.numel()].view(p.shape)
+            o += p.numel()
+    return out
+
+
+__all__ = ["unshard", "reshard", "forward_backward", "fsdp2_train", "unflatten"]
