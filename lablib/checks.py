@@ -167,7 +167,7 @@ _STAGE_HINTS = {
 _RANK_HINTS = (
     ("storage of size 0", "unshard gathers into unit.flat, whose storage reshard freed: resize it back to "
                           "unit.layout.padded_numel * unit.flat.element_size() bytes before the all-gather."),
-    ("Timed out", "one rank skipped a collective the others called: every rank must call the same "
+    ("timed out", "one rank skipped a collective the others called: every rank must call the same "
                   "collectives, in the same order, for every unit."),
 )
 _MEMORY_HINTS = {
@@ -209,3 +209,111 @@ def check_zero_stage(task: str, stage: str, cluster: Cluster, step_fn=None, unsh
                                       f"{expected[kind]:.0f}. {hint}")
     print(f"✓ {task} passed on {n} ranks: the MLP and the transformer block match the single-process "
           f"reference (max error {worst:.1e}), and each rank holds exactly what {STAGE_NAMES[stage]} keeps")
+
+
+# -- Lab 02: collectives -----------------------------------------------------------------------------
+_check_pools: dict[int, Cluster] = {}
+
+
+def _pools(cluster: Cluster, sizes=(2, 3, 4)) -> list[Cluster]:
+    """The notebook's pool plus pools of the other sizes, started once and kept for later checks."""
+    out = []
+    for n in sizes:
+        if n == cluster.world_size:
+            out.append(cluster)
+            continue
+        pool = _check_pools.get(n)
+        if pool is None or pool._closed:
+            pool = _check_pools[n] = Cluster(n, backend=cluster.backend, timeout=cluster.timeout, quiet=True)
+        out.append(pool)
+    return out
+
+
+_RING_CASES = [(torch.float32, 1), (torch.float32, 7), (torch.float64, 1000), (torch.int64, 5), (torch.bfloat16, 64)]
+_TORCH_NAME = {"all_gather": "dist.all_gather_into_tensor", "reduce_scatter": "dist.reduce_scatter_tensor",
+               "all_reduce": "dist.all_reduce"}
+
+
+def _ring_job(fn, op):
+    """On each rank: the learner's ring and torch's collective on the same inputs, for every case."""
+    import torch.distributed as dist
+
+    from .comm import _all_gather_single, _reduce_scatter_single
+    from .timeline import RECORDER
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype, chunk in _RING_CASES:
+        g = torch.Generator().manual_seed(100 * rank + chunk)
+        numel = chunk * n - (1 if op == "all_reduce" and n > 1 else 0)  # all-reduce: a size n does not divide
+        x = (torch.randn(numel if op != "all_gather" else chunk, generator=g) * 8).to(dtype)
+        before = len(RECORDER.spans)
+        if op == "all_gather":
+            got, want = torch.zeros(chunk * n, dtype=dtype), torch.empty(chunk * n, dtype=dtype)
+            fn(got, x.clone())
+            _all_gather_single(want, x.clone())
+        elif op == "reduce_scatter":
+            got, want = torch.zeros(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype)
+            fn(got, x.clone())
+            _reduce_scatter_single(want, x.clone())
+        else:
+            got, want = x.clone(), x.clone()
+            fn(got)
+            dist.all_reduce(want)
+        sends = sum(1 for s in RECORDER.spans[before:] if s[1] == "comm" and s[7].get("op") == "send")
+        collectives = {s[7].get("op") for s in RECORDER.spans[before:] if s[1] == "comm"} & set(_TORCH_NAME)
+        out.append((str(dtype).replace("torch.", ""), chunk, got, want, sends, sorted(collectives)))
+    return out
+
+
+def check_ring(task: str, fn, op: str, cluster: Cluster) -> None:
+    """Tasks 2.1-2.4: the learner's ring against torch.distributed's own collective on 2, 3 and 4 ranks,
+    several dtypes and sizes; it must send exactly the ring's messages."""
+    __tracebackhide__ = True
+    sizes = []
+    for pool in _pools(cluster):
+        n = pool.world_size
+        per_rank = run_on_ranks(pool, task, _ring_job, fn, op, hints=_RING_HINTS)
+        steps = (2 if op == "all_reduce" else 1) * (n - 1)
+        for rank, cases in enumerate(per_rank):
+            for dtype, chunk, got, want, sends, collectives in cases:
+                where = f"{getattr(fn, '__name__', 'your function')} on {n} ranks, {dtype}, chunks of {chunk}"
+                if collectives:
+                    raise CheckFailed(f"{task}: {where}: rank {rank} called {', '.join(collectives)}. Build the ring "
+                                      "from point-to-point messages only (lablib.send/recv/isend/irecv).")
+                if sends != steps:
+                    raise CheckFailed(
+                        f"{task}: {where}: rank {rank} sent {sends} message(s) through lablib's send/isend, the ring "
+                        f"sends {steps} ({'2 x ' if op == 'all_reduce' else ''}N-1 steps, one message each). "
+                        "Use lablib.send/recv/isend/irecv (so the timeline can show the ring), one send per step.")
+                if got.shape != want.shape:
+                    raise CheckFailed(f"{task}: {where}: rank {rank}'s output has shape {tuple(got.shape)}, "
+                                      f"expected {tuple(want.shape)}")
+                tol = 0 if not want.is_floating_point() else \
+                    (64 if want.dtype == torch.bfloat16 else 4) * torch.finfo(want.dtype).eps * n * 8 * 4
+                diff = (got.double() - want.double()).abs()
+                if diff.max().item() > tol:
+                    bad = sorted({int(i) // max(chunk, 1) for i in (diff > tol).nonzero().flatten().tolist()})
+                    raise CheckFailed(
+                        f"{task}: {where}: rank {rank}'s result differs from {_TORCH_NAME[op]}'s "
+                        f"(by up to {diff.max().item():.3g}) in chunk(s) {bad[:6]}. {_RING_OP_HINTS[op]}")
+        sizes.append(n)
+    print(f"✓ {task} passed: {op.replace('_', '-')} matches {_TORCH_NAME[op]} on {', '.join(map(str, sizes))} "
+          f"ranks for {len(_RING_CASES)} dtype/size cases, with {'2(N-1)' if op == 'all_reduce' else 'N-1'} "
+          f"messages per rank")
+
+
+_RING_HINTS = (("in send", "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint "
+                            "below)."),
+               ("in recv", "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint "
+                            "below)."))
+_RING_OP_HINTS = {
+    "all_gather": "At step s rank r sends chunk (r - s) mod N to rank r+1 and receives chunk (r - s - 1) mod N "
+                  "from rank r-1: the chunk it received at the step before. Did you copy your own input into "
+                  "chunk r of the output first?",
+    "reduce_scatter": "At step s rank r sends its partial sum of chunk (r - s - 1) mod N and adds the chunk "
+                      "(r - s - 2) mod N it receives to its own partial sum; after N-1 steps it holds the full sum "
+                      "of chunk r. Did you add what you received, and write chunk r to the output at the end?",
+    "all_reduce": "Pad the tensor to a multiple of N, reduce-scatter it into your chunk, all-gather the chunks "
+                  "back into the padded buffer, then copy the unpadded part back into the tensor (in place).",
+}

@@ -542,7 +542,7 @@ def _failure_message(failures, finished, stop_reason, world_size, timeout):
         others = ranks[1:]
     elif cats[root] == "timeout":
         timed = sorted(r for r in ranks if cats[r] == "timeout")
-        head = (f"rank(s) {_join(timed)} of {world_size} timed out after {timeout:g} s waiting in a collective: "
+        head = (f"rank(s) {_join(timed)} of {world_size} timed out after {timeout:g} s waiting for a peer: "
                 + ", ".join(f"rank {r} in {op(r)}" for r in timed))
         others = [r for r in ranks if cats[r] != "timeout"]
     else:
@@ -562,7 +562,11 @@ def _failure_message(failures, finished, stop_reason, world_size, timeout):
         }[c])
     if finished:
         lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
-    if "timeout" in cats.values():
+    if "timeout" in cats.values() and any(op(r) in ("send", "recv") for r in ranks):
+        lines.append(f"Hint: a blocking send waits until its peer receives (and a recv until its peer sends). If "
+                     "both sides of a pair send first, both wait forever: alternate the order (even ranks send "
+                     "first, odd ranks receive first), or post isend/irecv and then wait on both.")
+    elif "timeout" in cats.values():
         lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
                      "the same collectives in the same order, with matching shapes; Cluster(debug=True) names the "
                      "first mismatch at once.")

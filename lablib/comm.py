@@ -72,10 +72,10 @@ def bytes_sent(timeline, rank: int | None = None) -> float:
     return total / len(ranks)
 
 
-def _traced(name, nbytes, async_op, call, tensor, op):
+def _traced(name, nbytes, async_op, call, tensor, op, **meta):
     if async_op:
-        return Work(call(), AsyncSpan(name, "comm", nbytes, op=op))
-    with span(name, "comm", bytes=nbytes, op=op):
+        return Work(call(), AsyncSpan(name, "comm", nbytes, op=op, **meta))
+    with span(name, "comm", bytes=nbytes, op=op, **meta):
         out = call()
         if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
             torch.cuda.synchronize(tensor.device)
@@ -114,17 +114,22 @@ def barrier(group=None, name="barrier"):
         dist.barrier(group)
 
 
-def send(tensor, dst, group=None, name=None):
-    return _traced(name or f"send to {dst}", tensor.nbytes, False, lambda: dist.send(tensor, dst, group), tensor, "send")
+def send(tensor, dst, group=None, name=None, **meta):
+    """``meta`` (e.g. ``step=2, chunk=3``) is kept on the span and in the Chrome trace."""
+    return _traced(name or f"send to {dst}", tensor.nbytes, False, lambda: dist.send(tensor, dst, group), tensor,
+                   "send", peer=dst, **meta)
 
 
-def recv(tensor, src, group=None, name=None):
-    return _traced(name or f"recv from {src}", tensor.nbytes, False, lambda: dist.recv(tensor, src, group), tensor, "recv")
+def recv(tensor, src, group=None, name=None, **meta):
+    return _traced(name or f"recv from {src}", tensor.nbytes, False, lambda: dist.recv(tensor, src, group), tensor,
+                   "recv", peer=src, **meta)
 
 
-def isend(tensor, dst, group=None, name=None):
-    return _traced(name or f"send to {dst}", tensor.nbytes, True, lambda: dist.isend(tensor, dst, group), tensor, "send")
+def isend(tensor, dst, group=None, name=None, **meta):
+    return _traced(name or f"send to {dst}", tensor.nbytes, True, lambda: dist.isend(tensor, dst, group), tensor,
+                   "send", peer=dst, **meta)
 
 
-def irecv(tensor, src, group=None, name=None):
-    return _traced(name or f"recv from {src}", tensor.nbytes, True, lambda: dist.irecv(tensor, src, group), tensor, "recv")
+def irecv(tensor, src, group=None, name=None, **meta):
+    return _traced(name or f"recv from {src}", tensor.nbytes, True, lambda: dist.irecv(tensor, src, group), tensor,
+                   "recv", peer=src, **meta)

@@ -102,3 +102,41 @@ def test_zero_stage_mistakes(cluster):
         with pytest.raises(CheckFailed, match="bytes of params.*reshard must free the full flat buffer"):
             check_zero_stage("Task 1.5", "zero3", cluster, unshard=lablib.fsdp.unshard, reshard=keep_everything)
     check_zero_stage("Task 1.4", "zero2", cluster, step_fn=sharding.zero2_step)
+
+
+def test_ring_checks_teach(fragile):
+    import time
+
+    import torch.distributed as dist
+
+    from lablib import collectives
+    from lablib.checks import check_ring
+
+    def everyone_sends_first(output, input):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        chunks = output.view(n, -1)
+        chunks[rank].copy_(input)
+        for step in range(n - 1):
+            lablib.send(chunks[(rank - step) % n], (rank + 1) % n)
+            lablib.recv(chunks[(rank - step - 1) % n], (rank - 1) % n)
+
+    def forgets_own_chunk(output, input):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        chunks = output.view(n, -1)
+        for step in range(n - 1):
+            for h in [lablib.isend(chunks[(rank - step) % n], (rank + 1) % n),
+                      lablib.irecv(chunks[(rank - step - 1) % n], (rank - 1) % n)]:
+                h.wait()
+
+    def library_call(output, input):
+        lablib.all_gather(output, input)
+
+    t = time.perf_counter()
+    with pytest.raises(CheckFailed, match="(?s)deadlock.*Hint: a blocking send waits until its peer receives"):
+        check_ring("Task 2.1", everyone_sends_first, "all_gather", fragile)
+    assert time.perf_counter() - t < fragile.timeout + 5
+    with pytest.raises(CheckFailed, match="differs from dist.all_gather_into_tensor.*copy your own input"):
+        check_ring("Task 2.2", forgets_own_chunk, "all_gather", fragile)
+    with pytest.raises(CheckFailed, match="called all_gather"):
+        check_ring("Task 2.2", library_call, "all_gather", fragile)
+    check_ring("Task 2.3", collectives.ring_reduce_scatter, "reduce_scatter", fragile)

@@ -68,8 +68,8 @@ def _never_arrives():
 
 
 @pytest.mark.parametrize("fn, expect", [
-    (_skip_collective, r"timed out after 2 s waiting in a collective: rank 1 in all_reduce"),
-    (_different_collectives, r"timed out after 2 s waiting in a collective: rank 0 in all_reduce, rank 1 in broadcast"),
+    (_skip_collective, r"timed out after 2 s waiting for a peer: rank 1 in all_reduce"),
+    (_different_collectives, r"timed out after 2 s waiting for a peer: rank 0 in all_reduce, rank 1 in broadcast"),
     (_never_arrives, r"rank 1: did not finish; stopped by lablib"),
 ])
 def test_hang_is_reported_within_timeout_plus_2s(fragile, fn, expect):
