@@ -27,7 +27,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["Cluster", "RankError", "cluster", "load_ipython_extension"]
 
 
-_MODULES = {"checks", "comm", "doctor", "fsdp", "grading", "memory", "quiz", "sharding", "timeline"}
+_MODULES = {"checks", "collectives", "comm", "doctor", "fsdp", "grading", "memory", "quiz", "sharding", "timeline"}
 
 
 def __getattr__(name):

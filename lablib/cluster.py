@@ -563,7 +563,7 @@ def _failure_message(failures, finished, stop_reason, world_size, timeout):
     if finished:
         lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
     if "timeout" in cats.values() and any(op(r) in ("send", "recv") for r in ranks):
-        lines.append(f"Hint: a blocking send waits until its peer receives (and a recv until its peer sends). If "
+        lines.append("Hint: a blocking send waits until its peer receives (and a recv until its peer sends). If "
                      "both sides of a pair send first, both wait forever: alternate the order (even ranks send "
                      "first, odd ranks receive first), or post isend/irecv and then wait on both.")
     elif "timeout" in cats.values():

@@ -92,7 +92,6 @@ def ring_explorer(timeline, op: str = "all_gather"):
     import math
 
     import ipywidgets as w
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     n, steps = timeline.world_size, transfers(timeline)
@@ -244,7 +243,6 @@ def predict(op: str, size: float, n: int, alpha: float, beta: float) -> float:
 def sweep_figure(rows, metric: str = "busbw"):
     """Bandwidth against message size, one panel per collective: the ring and torch.distributed at each
     world size, with a plain memory copy as the physical reference. Log-log."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.03,

@@ -14,7 +14,6 @@ the same model and batches, for comparison.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from . import comm
 from .sharding import Context, Optimizer, Unit, batch, build_model, flat_grad, loss_fn
@@ -117,5 +116,3 @@ def unflatten(model_name: str, flats: list[torch.Tensor]) -> dict[str, torch.Ten
             o += p.numel()
     return out
 
-
-__all__ = ["unshard", "reshard", "forward_backward", "fsdp2_train", "unflatten"]

@@ -29,12 +29,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 BEGIN_SOLUTION = re.compile(r"^(\s*)### BEGIN SOLUTION\b\s*(.*)$")
 END_SOLUTION = re.compile(r"^\s*### END SOLUTION\b")

@@ -5,8 +5,7 @@ import torch
 
 import lablib
 from lablib import sharding
-from lablib.checks import (CheckFailed, check_flat_shard, check_mean_across_ranks, check_shard_slices,
-                           check_zero_stage)
+from lablib.checks import CheckFailed, check_flat_shard, check_mean_across_ranks, check_shard_slices, check_zero_stage
 
 
 def test_mean_across_ranks(cluster, capsys):
