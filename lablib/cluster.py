@@ -22,6 +22,7 @@ How it stays out of the way of the learner:
 from __future__ import annotations
 
 import atexit
+import collections
 import linecache
 import os
 import pickle
@@ -138,6 +139,7 @@ class _Worker:
         self.rank, self.proc = rank, proc
         self.conn = None
         self.killed = False     # by us: restarted by the job that killed it
+        self.last_words = collections.deque(maxlen=4)  # its latest stderr lines, quoted if it dies
         self.offset_ns = 0      # worker clock - parent clock
         self.clock_error_ns = 0
 
@@ -295,9 +297,9 @@ class Cluster:
             # Own session: the terminal's Ctrl-C or Jupyter's interrupt reach the parent only, which
             # then stops the ranks in order.
             start_new_session=True)
-        self._workers[rank] = _Worker(rank, proc)
+        w = self._workers[rank] = _Worker(rank, proc)
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            threading.Thread(target=self._pipe_loop, args=(rank, proc, stream, pipe), daemon=True,
+            threading.Thread(target=self._pipe_loop, args=(w, stream, pipe), daemon=True,
                              name=f"lablib-rank{rank}-{stream}").start()
 
     def _accept_loop(self):
@@ -351,9 +353,12 @@ class Cluster:
                 return
             self._events.put((msg[0], w.rank, w) + tuple(msg[1:]))
 
-    def _pipe_loop(self, rank, proc, stream, pipe):
+    def _pipe_loop(self, w, stream, pipe):
         for line in iter(pipe.readline, b""):
-            self._events.put(("out", rank, None, stream, line.decode(errors="replace")))
+            text = line.decode(errors="replace")
+            if stream == "stderr" and text.strip() and not text.startswith("[W"):  # c10d warnings are noise here
+                w.last_words.append(text.strip())
+            self._events.put(("out", w.rank, None, stream, text))
         pipe.close()
 
     def _wait_ready(self):
@@ -436,10 +441,12 @@ class Cluster:
                             first_error = first_error or time.monotonic()
                     elif kind == "lost" and rank in pending and w is self._workers.get(rank):
                         w.proc.wait()
+                        time.sleep(0.05)  # let its pipe reader catch the last lines it wrote
                         pending.discard(rank)
                         killed.add(rank)
+                        said = "; its last output:\n    " + "\n    ".join(w.last_words) if w.last_words else ""
                         failures[rank] = {"type": "WorkerDied", "time": time.perf_counter_ns(), "exception": None,
-                                          "message": f"rank {rank} died ({_signal_name(w.proc.returncode)})",
+                                          "message": f"rank {rank} died ({_signal_name(w.proc.returncode)}){said}",
                                           "traceback": "", "interrupted": False}
                         first_error = first_error or time.monotonic()
                 now = time.monotonic()
@@ -538,7 +545,7 @@ def _failure_message(failures, finished, stop_reason, world_size, timeout):
 
     if cats[root] in ("error", "WorkerDied"):
         head = f"rank {root} of {world_size} failed: " + (
-            f["message"] if cats[root] == "WorkerDied" else f"{f['type']}: {_clean(f['message'])}")
+            _clean(f["message"]) if cats[root] == "WorkerDied" else f"{f['type']}: {_clean(f['message'])}")
         others = ranks[1:]
     elif cats[root] == "timeout":
         timed = sorted(r for r in ranks if cats[r] == "timeout")

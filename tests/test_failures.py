@@ -155,6 +155,39 @@ def test_a_rank_that_dies_is_reported_and_restarted(fragile):
     assert new[0] != old[0] and new[1:] == old[1:]
 
 
+def test_a_dying_rank_s_last_words_are_in_the_error(fragile):
+    def die_loudly():
+        import sys
+        if dist.get_rank() == 0:
+            sys.__stderr__.write("fatal: the shard table is corrupt\n")  # as C++ code writes to fd 2
+            sys.__stderr__.flush()
+            os._exit(1)
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankError, match=r"rank 0 died \(exit code 1\); its last output:\n    fatal: the shard table"):
+        fragile.run(die_loudly)
+    _healthy(fragile)
+
+
+def test_size_mismatched_all_reduce_is_caught_not_silent(fragile):
+    if fragile.world_size != 2:
+        pytest.skip("Gloo's outcome depends on the sizes and the world size; on 2 ranks it aborts the receiver")
+
+    def mismatch():
+        dist.all_reduce(torch.ones(4 if dist.get_rank() == 0 else 6))
+
+    with pytest.raises(RankError, match="(?s)died \\(SIGABRT\\).*Received data size doesn't match expected size"):
+        fragile.run(mismatch)
+    _healthy(fragile)
+    fragile.debug = True
+    try:
+        with pytest.raises(RankError, match=r"Detected mismatch between collectives.*TensorShape=\[(4|6)\]"):
+            fragile.run(mismatch)
+    finally:
+        fragile.debug = False
+    _healthy(fragile)
+
+
 def _script(body):
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, text=True)
 
