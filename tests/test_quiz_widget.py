@@ -148,6 +148,9 @@ def test_the_stored_correct_flag_is_not_trusted(store, capsys):
 def test_ask_returns_a_displayable_view_and_rejects_a_whole_quiz(store):
     v = quiz.ask("model-pipeline/3", lang="ar", store=store)
     assert "lablib-rtl" in v.outer._dom_classes
+    v.picker.value = "en"  # a seed question embedded in a lab keeps its language switch
+    assert "lablib-rtl" not in v.outer._dom_classes and "bubble" in v.text.value
+    assert quiz.ask("welcome/rank", store=store).picker is None  # English only: no switch
     assert "application/vnd.jupyter.widget-view+json" in v._repr_mimebundle_()
     with pytest.raises(ValueError, match="use show"):
         quiz.ask("fsdp", store=store)

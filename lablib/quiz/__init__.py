@@ -54,19 +54,24 @@ def ask(ref: str, lang: str | None = None, store: AnswerStore | None = None):
     import ipywidgets as w
 
     from .bank import RTL
-    from .widget import _STYLE, QuestionView
+    from .widget import _STYLE, QuestionView, _language_picker
 
     (q,) = questions(ref) if "/" in ref else (None,)
     if q is None:
         raise ValueError(f"ask() takes one question, like 'fsdp/2', got {ref!r}; use show() for a whole quiz")
     quiz = banks()[q.quiz]
-    chosen = pick_language(quiz.languages, lang)
-    view = QuestionView(q, store or AnswerStore(), chosen)
-    box = w.VBox([w.HTML(_STYLE), view.widget])
+    view = QuestionView(q, store or AnswerStore(), pick_language(quiz.languages, lang))
+    box = w.VBox()
     box.add_class("lablib-quiz")
-    if chosen in RTL:
-        box.add_class("lablib-rtl")
-    view.outer = box
+
+    def switch(language):
+        view.set_language(language)
+        (box.add_class if language in RTL else box.remove_class)("lablib-rtl")
+
+    picker = _language_picker(quiz.languages, view.lang, switch)  # only for quizzes in several languages
+    box.children = [w.HTML(_STYLE)] + ([picker] if picker else []) + [view.widget]
+    switch(view.lang)
+    view.outer, view.picker = box, picker
     return view
 
 
