@@ -41,6 +41,11 @@ def test_a_rebuilt_widget_shows_the_saved_answer_and_feedback(store):
     assert again.control.value == 1
     assert "✓ Correct." in again.feedback.value and "Your saved answer." in again.feedback.value
     assert again.attempts.value == "attempts: 1"
+    again.set_language("ms")  # still marked as the saved answer, in the new language
+    assert "Jawapan anda yang disimpan." in again.feedback.value
+    assert "Your saved answer." in quiz.ask("fsdp/2", store=AnswerStore(store.path)).feedback.value
+    again.check()
+    assert "disimpan" not in again.feedback.value  # an answer just given is not "saved" news
 
 
 def test_numeric_question_parses_numbers_and_applies_the_tolerance(store):

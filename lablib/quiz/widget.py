@@ -53,6 +53,7 @@ class QuestionView:
         self.widget = w.VBox([self.text, self.hint, entry, w.HBox([self.check_button, self.attempts]), self.feedback])
         self.widget.add_class("lablib-question")
         self.outer = self.widget  # what is displayed; ask() wraps it with the style box
+        self._restored = False    # the feedback shown is a saved answer's, not one given just now
         self.set_language(lang)
         self._restore()
 
@@ -77,7 +78,7 @@ class QuestionView:
         self.check_button.description = t(lang, "check")
         rec = self.store.get(q.ref)
         if rec is not None:
-            self._show(rec, saved=False)
+            self._show(rec, saved=self._restored)
 
     # -- answering -------------------------------------------------------------------------------
     def response(self):
@@ -96,6 +97,7 @@ class QuestionView:
             self.feedback.value = f"<span style='color:#b45309'>{t(self.lang, key)}</span>"
             return None
         rec = self.store.record(self.q.ref, response, self.q.is_correct(response))
+        self._restored = False
         self._show(rec, saved=False)
         if self.on_answer:
             self.on_answer(self)
@@ -116,6 +118,7 @@ class QuestionView:
                 self.control.value = f"{float(r):g}"
         except (TypeError, ValueError, IndexError, KeyError):
             pass  # an answer from another version of the question: show the feedback, leave the control
+        self._restored = True
         self._show(rec, saved=True)
 
     def _show(self, rec, saved):
