@@ -12,6 +12,11 @@ class CheckFailed(AssertionError):
     pass
 
 
+def _not_done(task: str, what: str) -> CheckFailed:
+    return CheckFailed(f"{task} is not done yet: {what} still raises NotImplementedError. "
+                       "Replace the `raise` line with your code.")
+
+
 def run_on_ranks(cluster: Cluster, task: str, job, *args, hints=()):
     """``cluster.run(job, *args)``, turning "not done yet" and rank errors into teaching messages.
 
@@ -23,8 +28,7 @@ def run_on_ranks(cluster: Cluster, task: str, job, *args, hints=()):
         first = err.ranks[0] if err.ranks else 0
         exc = err.exception(first)
         if isinstance(exc, NotImplementedError):
-            raise CheckFailed(f"{task} is not done yet: your code still raises NotImplementedError({str(exc)!r}). "
-                              "Replace the `raise` line with your code.") from None
+            raise _not_done(task, f"your code ({exc})") from None
         likely = [hint for text, hint in hints if text in str(err)]
         raise CheckFailed(f"{task}: your function failed on the ranks." + (f" Likely: {likely[0]}" if likely else "")
                           + f"\n\n{err}") from None
@@ -74,8 +78,7 @@ def _call_local(task, fn, what, hint, *args):
     try:
         return fn(*args)
     except NotImplementedError:
-        raise CheckFailed(f"{task} is not done yet: {fn.__name__} still raises NotImplementedError. "
-                          "Replace the `raise` line with your code.") from None
+        raise _not_done(task, fn.__name__) from None
     except Exception as exc:
         raise CheckFailed(f"{task}: {fn.__name__}({what}) raised {type(exc).__name__}: {exc}. {hint}") from None
 
@@ -238,7 +241,7 @@ def _ring_job(fn, op):
     """On each rank: the learner's ring and torch's collective on the same inputs, for every case."""
     import torch.distributed as dist
 
-    from .comm import _all_gather_single, _reduce_scatter_single
+    from .comm import all_gather_single, reduce_scatter_single
     from .timeline import RECORDER
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -251,11 +254,11 @@ def _ring_job(fn, op):
         if op == "all_gather":
             got, want = torch.zeros(chunk * n, dtype=dtype), torch.empty(chunk * n, dtype=dtype)
             fn(got, x.clone())
-            _all_gather_single(want, x.clone())
+            all_gather_single(want, x.clone())
         elif op == "reduce_scatter":
             got, want = torch.zeros(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype)
             fn(got, x.clone())
-            _reduce_scatter_single(want, x.clone())
+            reduce_scatter_single(want, x.clone())
         else:
             got, want = x.clone(), x.clone()
             fn(got)
@@ -303,10 +306,8 @@ def check_ring(task: str, fn, op: str, cluster: Cluster) -> None:
           f"messages per rank")
 
 
-_RING_HINTS = (("in send", "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint "
-                            "below)."),
-               ("in recv", "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint "
-                            "below)."))
+_DEADLOCK = "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint below)."
+_RING_HINTS = (("in send", _DEADLOCK), ("in recv", _DEADLOCK))
 _RING_OP_HINTS = {
     "all_gather": "At step s rank r sends chunk (r - s) mod N to rank r+1 and receives chunk (r - s - 1) mod N "
                   "from rank r-1: the chunk it received at the step before. Did you copy your own input into "

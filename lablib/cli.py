@@ -97,7 +97,7 @@ def _release(args) -> int:
 
 
 def _grade(args) -> int:
-    from .grading import grade
+    from .grading import grade, reports_dir
 
     try:
         results = grade(args.submissions, args.release, args.out, args.source, args.cell_timeout)
@@ -105,8 +105,7 @@ def _grade(args) -> int:
         print(f"grade: {e}", file=sys.stderr)
         return 2
     for lab in results:
-        got, full = sum(i.points for i in lab.items), sum(i.max_points for i in lab.items)
         flag = f"  (tampered: {', '.join(t.split(':')[0] for t in lab.tampered)})" if lab.tampered else ""
-        print(f"  {lab.learner:<20} {lab.lab:<24} {got:g}/{full:g}{flag}")
-    print(f"gradebook: {args.out}; reports: {args.out.rsplit('.', 1)[0]}-reports/")
+        print(f"  {lab.learner:<20} {lab.lab:<24} {lab.points:g}/{lab.max_points:g}{flag}")
+    print(f"gradebook: {args.out}; reports: {reports_dir(args.out)}/")
     return 0

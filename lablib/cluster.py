@@ -140,6 +140,7 @@ class _Worker:
         self.conn = None
         self.killed = False     # by us: restarted by the job that killed it
         self.last_words = collections.deque(maxlen=4)  # its latest stderr lines, quoted if it dies
+        self.readers = []       # the threads reading its stdout and stderr
         self.offset_ns = 0      # worker clock - parent clock
         self.clock_error_ns = 0
 
@@ -299,8 +300,10 @@ class Cluster:
             start_new_session=True)
         w = self._workers[rank] = _Worker(rank, proc)
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            threading.Thread(target=self._pipe_loop, args=(w, stream, pipe), daemon=True,
-                             name=f"lablib-rank{rank}-{stream}").start()
+            reader = threading.Thread(target=self._pipe_loop, args=(w, stream, pipe), daemon=True,
+                                      name=f"lablib-rank{rank}-{stream}")
+            reader.start()
+            w.readers.append(reader)
 
     def _accept_loop(self):
         while not self._closed:
@@ -441,7 +444,8 @@ class Cluster:
                             first_error = first_error or time.monotonic()
                     elif kind == "lost" and rank in pending and w is self._workers.get(rank):
                         w.proc.wait()
-                        time.sleep(0.05)  # let its pipe reader catch the last lines it wrote
+                        for reader in w.readers:  # its pipes end with it: read to the end, for its last words
+                            reader.join(1.0)
                         pending.discard(rank)
                         killed.add(rank)
                         said = "; its last output:\n    " + "\n    ".join(w.last_words) if w.last_words else ""

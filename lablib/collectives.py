@@ -28,8 +28,7 @@ import torch.distributed as dist
 from . import comm
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
-BUS_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_reduce": lambda n: 2 * (n - 1) / n, "memcpy": lambda n: 1.0}
+BUS_FACTOR = comm.BUS_FACTOR
 
 
 # -- the ring ----------------------------------------------------------------------------------------
@@ -177,8 +176,8 @@ def measure(size: int, iters: int = 5, ring=None, dtype=torch.float32) -> dict:
     elems = max(n, size // torch.tensor([], dtype=dtype).element_size() // n * n)  # a multiple of n
     full = torch.ones(elems, dtype=dtype, device=dev)
     part = torch.ones(elems // n, dtype=dtype, device=dev)
-    plain = {"all_gather": lambda: comm._all_gather_single(full, part),
-             "reduce_scatter": lambda: comm._reduce_scatter_single(part, full),
+    plain = {"all_gather": lambda: comm.all_gather_single(full, part),
+             "reduce_scatter": lambda: comm.reduce_scatter_single(part, full),
              "all_reduce": lambda: dist.all_reduce(full)}
     calls = {"all_gather": lambda f: f(full, part), "reduce_scatter": lambda f: f(part, full),
              "all_reduce": lambda f: f(full)}
@@ -215,6 +214,30 @@ def sweep(cluster, sizes, iters: int = 5, ring=None, progress=None) -> list[dict
         if progress is not None:
             progress.value += 1
     return rows
+
+
+_TABLE = [("all_gather", "ring", "ring all-gather"), ("all_gather", "torch", "torch all-gather"),
+          ("reduce_scatter", "ring", "ring reduce-scatter"), ("reduce_scatter", "torch", "torch reduce-scatter"),
+          ("all_reduce", "ring", "ring all-reduce"), ("all_reduce", "torch", "torch all-reduce"),
+          ("memcpy", "torch", "memory copy")]
+
+
+def _row(rows, op, impl, n, size):
+    return next(r for r in rows if (r["op"], r["impl"], r["n"], r["bytes"]) == (op, impl, n, size))
+
+
+def busbw_table(rows, size: int) -> str:
+    """Bus bandwidth in GB/s at ``size`` bytes: one line per implementation, one column per world size."""
+    sizes = sorted({r["n"] for r in rows})
+    lines = [f"{'busbw (GB/s)':24s}" + "".join(f"{f'N={n}':>8s}" for n in sizes)]
+    for op, impl, label in _TABLE:
+        lines.append(f"{label:24s}" + "".join(f"{_row(rows, op, impl, n, size)['busbw']:8.2f}" for n in sizes))
+    return "\n".join(lines)
+
+
+def slowdown(rows, size: int, n: int, op: str = "reduce_scatter") -> float:
+    """torch.distributed's time over the ring's, for ``op`` on ``size`` bytes and ``n`` ranks."""
+    return _row(rows, op, "torch", n, size)["seconds"] / _row(rows, op, "ring", n, size)["seconds"]
 
 
 def fit_alpha_beta(rows, op: str = "all_gather", impl: str = "ring") -> tuple[float, float]:

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from .timeline import AsyncSpan, span
 
-# PyTorch 2.13 renamed the tensor-in/tensor-out collectives and warns on the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-untraced_all_gather = _all_gather_single  # for checks, which are no part of what a timeline shows
+# torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
+# loops). PyTorch 2.13 renamed them and warns on the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def device() -> torch.device:
@@ -49,17 +49,19 @@ class Work:
         return getattr(self._work, name)
 
 
-# Bytes one rank sends for a message of ``size`` bytes (the tensor it passes in) on ``n`` ranks, in the
-# bandwidth-optimal ring algorithms; nccl-tests' "bus bandwidth" rests on the same counts.
-RING_SENT = {
-    "all_reduce": lambda size, n: 2 * (n - 1) / n * size,   # reduce-scatter, then all-gather
-    "all_gather": lambda size, n: (n - 1) * size,            # size: this rank's shard
-    "reduce_scatter": lambda size, n: (n - 1) / n * size,    # size: the full input
-    "broadcast": lambda size, n: size,
-    "send": lambda size, n: size,
-    "recv": lambda size, n: 0,
-    "all_to_all": lambda size, n: (n - 1) / n * size,
-    "barrier": lambda size, n: 0,
+# Bytes one rank sends, as a fraction of a collective's full size S, in the bandwidth-optimal ring
+# algorithms (S: the all-gather's output, the reduce-scatter's input, the all-reduce's tensor).
+# nccl-tests' bus bandwidth is algbw times the same factor.
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,   # reduce-scatter, then all-gather
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+    "barrier": lambda n: 0.0,
+    "memcpy": lambda n: 1.0,
 }
 
 
@@ -67,8 +69,12 @@ def bytes_sent(timeline, rank: int | None = None) -> float:
     """Bytes sent, by the ring algorithms, in the traced collectives of ``timeline`` (one rank, or the
     average over ranks)."""
     ranks = [rank] if rank is not None else list(range(timeline.world_size))
-    total = sum(RING_SENT[s.meta["op"]](s.bytes or 0, timeline.world_size)
-                for s in timeline.spans if s.kind == "comm" and s.rank in ranks and "op" in s.meta)
+    n = timeline.world_size
+    total = 0.0
+    for s in timeline.spans:
+        if s.kind == "comm" and s.rank in ranks and "op" in s.meta:
+            full = (s.bytes or 0) * (n if s.meta["op"] == "all_gather" else 1)  # a span records the input
+            total += BUS_FACTOR[s.meta["op"]](n) * full
     return total / len(ranks)
 
 
@@ -89,14 +95,14 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="a
 
 def all_gather(output, input, group=None, async_op=False, name="all_gather"):
     """``output`` (world_size * n elements) receives every rank's ``input`` (n elements), in rank order."""
-    return _traced(name, input.nbytes, async_op, lambda: _all_gather_single(output, input, group, async_op), input,
+    return _traced(name, input.nbytes, async_op, lambda: all_gather_single(output, input, group, async_op), input,
                    "all_gather")
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
     return _traced(name, input.nbytes, async_op,
-                   lambda: _reduce_scatter_single(output, input, op, group, async_op), input, "reduce_scatter")
+                   lambda: reduce_scatter_single(output, input, op, group, async_op), input, "reduce_scatter")
 
 
 def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
@@ -114,22 +120,24 @@ def barrier(group=None, name="barrier"):
         dist.barrier(group)
 
 
+def _p2p(call, op, tensor, peer, group, name, async_op, meta):
+    default = f"send to {peer}" if op == "send" else f"recv from {peer}"
+    return _traced(name or default, tensor.nbytes, async_op, lambda: call(tensor, peer, group), tensor, op,
+                   peer=peer, **meta)
+
+
 def send(tensor, dst, group=None, name=None, **meta):
     """``meta`` (e.g. ``step=2, chunk=3``) is kept on the span and in the Chrome trace."""
-    return _traced(name or f"send to {dst}", tensor.nbytes, False, lambda: dist.send(tensor, dst, group), tensor,
-                   "send", peer=dst, **meta)
+    return _p2p(dist.send, "send", tensor, dst, group, name, False, meta)
 
 
 def recv(tensor, src, group=None, name=None, **meta):
-    return _traced(name or f"recv from {src}", tensor.nbytes, False, lambda: dist.recv(tensor, src, group), tensor,
-                   "recv", peer=src, **meta)
+    return _p2p(dist.recv, "recv", tensor, src, group, name, False, meta)
 
 
 def isend(tensor, dst, group=None, name=None, **meta):
-    return _traced(name or f"send to {dst}", tensor.nbytes, True, lambda: dist.isend(tensor, dst, group), tensor,
-                   "send", peer=dst, **meta)
+    return _p2p(dist.isend, "send", tensor, dst, group, name, True, meta)
 
 
 def irecv(tensor, src, group=None, name=None, **meta):
-    return _traced(name or f"recv from {src}", tensor.nbytes, True, lambda: dist.irecv(tensor, src, group), tensor,
-                   "recv", peer=src, **meta)
+    return _p2p(dist.irecv, "recv", tensor, src, group, name, True, meta)

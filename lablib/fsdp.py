@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .sharding import Context, Optimizer, Unit, batch, build_model, flat_grad, loss_fn
+from .memory import storage_bytes
+from .sharding import Context, FlatLayout, Optimizer, Unit, batch, build_model, flat_grad, loss_fn
 from .timeline import span
 
 
@@ -86,21 +87,8 @@ def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = 
         x, y = batch(model_name, step, rank)
         loss_fn(model(x), y).backward()
         opt.step()
-    seen, held = set(), {"params": 0, "grads": 0, "optimizer": 0}
-
-    def add(kind, t):
-        storage = t.to_local().untyped_storage() if hasattr(t, "to_local") else t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            held[kind] += storage.nbytes()
-
-    for p in model.parameters():
-        add("params", p)
-        if p.grad is not None:
-            add("grads", p.grad)
-        for t in opt.state[p].values():
-            if isinstance(t, torch.Tensor):
-                add("optimizer", t)
+    held = storage_bytes(pair for p in model.parameters() for pair in
+                         [("params", p), ("grads", p.grad)] + [("optimizer", t) for t in opt.state[p].values()])
     params = [(name, p.to_local().detach().clone(), p.full_tensor().detach().clone())
               for name, p in model.named_parameters()]
     return {"params": params, "memory": held}
@@ -108,11 +96,9 @@ def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = 
 
 def unflatten(model_name: str, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our per-unit flat parameters as {parameter name: tensor}, named as in the model."""
-    model, out = build_model(model_name), {}
-    for (i, unit), flat in zip(enumerate(model), flats):
-        o = 0
-        for name, p in unit.named_parameters():
-            out[f"{i}.{name}"] = flat[o:o + p.numel()].view(p.shape)
-            o += p.numel()
+    out = {}
+    for (i, unit), flat in zip(enumerate(build_model(model_name)), flats):
+        names, params = zip(*unit.named_parameters())
+        out.update((f"{i}.{name}", view) for name, view in zip(names, FlatLayout.of(params, 1).views(flat)))
     return out
 

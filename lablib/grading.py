@@ -153,7 +153,10 @@ def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
 
 def tidy(nb):
     """Outputs only where nbval compares them (``# NBVAL_CHECK_OUTPUT`` cells, numbered so nbval treats
-    them as run); no execution counts or timing metadata elsewhere. In place; returns ``nb``."""
+    them as run); no execution counts or timing metadata elsewhere, and no saved widget state (it is
+    stale, large, and would show a learner the quiz answers of whoever ran the notebook). In place;
+    returns ``nb``."""
+    nb["metadata"].pop("widgets", None)
     count = 0
     for cell in nb["cells"]:
         for key in ("execution", "collapsed", "scrolled", "ExecuteTime"):
@@ -214,6 +217,20 @@ class LabResult:
     items: list[Item] = field(default_factory=list)
     tampered: list[str] = field(default_factory=list)
     note: str = ""
+
+    @property
+    def points(self) -> float:
+        return sum(i.points for i in self.items)
+
+    @property
+    def max_points(self) -> float:
+        return sum(i.max_points for i in self.items)
+
+
+def reports_dir(gradebook) -> Path:
+    """Where the per-learner reports of ``gradebook.csv`` go: ``gradebook-reports/`` beside it."""
+    gradebook = Path(gradebook)
+    return gradebook.with_name(gradebook.stem + "-reports")
 
 
 def restore_graded_cells(submitted, released, reference=None) -> tuple[object, list[str]]:
@@ -353,9 +370,7 @@ def _run_nbval(workdir: Path, notebooks: list[str], cell_timeout: float, total_t
 
 def grade(submissions, release_dir, out, source_dir=None, cell_timeout: float = 120.0) -> list[LabResult]:
     """Grade every learner folder in ``submissions``; write the gradebook CSV ``out`` and a report per
-    learner in ``<out stem>-reports/``. Returns the results."""
-    from . import quiz
-
+    learner in ``reports_dir(out)``. Returns the results."""
     submissions, release_dir, out = Path(submissions), Path(release_dir), Path(out)
     releases = {p.name: read_notebook(p) for p in sorted(release_dir.glob("*.ipynb"))}
     if not releases:
@@ -369,17 +384,19 @@ def grade(submissions, release_dir, out, source_dir=None, cell_timeout: float = 
     learners = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
     results: list[LabResult] = []
     for folder in learners:
-        results += _grade_learner(folder, releases, references, cell_timeout, quiz)
+        results += _grade_learner(folder, releases, references, cell_timeout)
     _write_gradebook(results, out)
-    _write_reports(results, out.with_name(out.stem + "-reports"))
+    _write_reports(results, reports_dir(out))
     return results
 
 
-def _grade_learner(folder: Path, releases, references, cell_timeout, quiz) -> list[LabResult]:
+def _grade_learner(folder: Path, releases, references, cell_timeout) -> list[LabResult]:
+    from . import quiz
+
     learner = folder.name
     work = Path(tempfile.mkdtemp(prefix=f"lablib-grade-{learner}-"))
     try:
-        labs, present = {}, []
+        labs, present = {}, {}  # present: notebook name -> the restored notebook that is run
         for name, reference in references.items():
             lab = LabResult(learner, Path(name).stem)
             labs[name] = lab
@@ -394,35 +411,33 @@ def _grade_learner(folder: Path, releases, references, cell_timeout, quiz) -> li
                 continue
             restored, lab.tampered = restore_graded_cells(submitted, releases[name], reference)
             (work / name).write_text(json.dumps(restored, indent=1, ensure_ascii=False))
-            present.append(name)
+            present[name] = restored
         if (folder / ANSWERS).exists():
             shutil.copy2(folder / ANSWERS, work / ANSWERS)
         cells = sum(sum(c["cell_type"] == "code" for c in references[n]["cells"]) for n in present)
-        junit, note = (_run_nbval(work, present, cell_timeout, cell_timeout * cells + 300) if present
+        junit, note = (_run_nbval(work, list(present), cell_timeout, cell_timeout * cells + 300) if present
                        else (work / ".none", ""))
         results = _junit_results(junit)
         store = quiz.AnswerStore(work / ANSWERS)
         answers = store.load()
         for name, lab in labs.items():
             lab.note = lab.note or note
-            graded_nb = read_notebook(work / name) if name in present else references[name]
-            for number, gid in _code_cell_ids(graded_nb).items():
-                info = next(grade_info(c) for c in references[name]["cells"] if grade_info(c) and
-                            grade_info(c)["grade_id"] == gid)
-                status, detail = results.get((name, number), ("not run", lab.note or "notebook not submitted"))
+            points = {info["grade_id"]: float(info["points"]) for info in map(grade_info, references[name]["cells"])
+                      if info}
+            for number, gid in _code_cell_ids(present.get(name, references[name])).items():
+                status, detail = results.get((name, number), ("not run", lab.note))
                 if name not in present:
                     status, detail = "missing notebook", lab.note
-                pts = float(info["points"]) if status == "passed" else 0.0
-                lab.items.append(Item(learner, lab.lab, gid, "check", pts, float(info["points"]), status, detail))
+                lab.items.append(Item(learner, lab.lab, gid, "check", points[gid] if status == "passed" else 0.0,
+                                      points[gid], status, detail))
             try:
                 lab_questions = quiz.questions(lab.lab)
             except KeyError:
                 lab_questions = []
             for q in lab_questions:
                 rec = answers.get(q.ref)
-                ok = rec is not None and q.is_correct(rec.get("response"))
-                status = "correct" if ok else ("unanswered" if rec is None else "wrong")
-                lab.items.append(Item(learner, lab.lab, q.ref, "quiz", 1.0 if ok else 0.0, 1.0, status,
+                status = q.status(rec)
+                lab.items.append(Item(learner, lab.lab, q.ref, "quiz", float(status == "correct"), 1.0, status,
                                       "" if rec is None else f"attempts: {rec.get('attempts', 1)}"))
             if store.warning:
                 lab.note = (lab.note + "\n" if lab.note else "") + store.warning
@@ -439,8 +454,7 @@ def _write_gradebook(results: list[LabResult], out: Path):
         for lab in results:
             for it in lab.items:
                 writer.writerow([it.learner, it.lab, it.item, it.kind, f"{it.points:g}", f"{it.max_points:g}", it.status])
-            writer.writerow([lab.learner, lab.lab, "TOTAL", "total", f"{sum(i.points for i in lab.items):g}",
-                             f"{sum(i.max_points for i in lab.items):g}",
+            writer.writerow([lab.learner, lab.lab, "TOTAL", "total", f"{lab.points:g}", f"{lab.max_points:g}",
                              f"tampered: {len(lab.tampered)}" if lab.tampered else ""])
 
 
@@ -452,8 +466,7 @@ def _write_reports(results: list[LabResult], folder: Path):
     for learner, labs in by_learner.items():
         lines = [f"# {learner}", ""]
         for lab in labs:
-            got, full = sum(i.points for i in lab.items), sum(i.max_points for i in lab.items)
-            lines += [f"## {lab.lab}: {got:g} / {full:g} points", ""]
+            lines += [f"## {lab.lab}: {lab.points:g} / {lab.max_points:g} points", ""]
             if lab.note:
                 lines += [f"Note: {lab.note}", ""]
             for t in lab.tampered:

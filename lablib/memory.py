@@ -9,29 +9,32 @@ KIND_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B"}
 STAGE_NAMES = {"dp": "replicated DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3 / FSDP"}
 
 
-def held_bytes(units) -> dict[str, int]:
-    """Bytes of the tensors a rank holds between steps, by kind; each storage is counted once, so a
-    view (a module parameter inside a flat buffer) costs nothing extra and a freed buffer costs 0."""
+def storage_bytes(tensors) -> dict[str, int]:
+    """Bytes by kind of ``(kind, tensor)`` pairs, each storage counted once (for the first kind that
+    names it): a view (a module parameter inside a flat buffer) costs nothing extra, a freed buffer 0.
+    Non-tensors are skipped; a DTensor counts its local shard."""
     seen, out = set(), dict.fromkeys(KINDS, 0)
-
-    def add(kind, t):
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                out[kind] += storage.nbytes()
-
-    for u in units:
-        add("params", u.flat)
-        add("params", u.shard)
-        for p in u.module.parameters():
-            add("params", p)
-            add("grads", p.grad)
-        add("grads", u.grad)
-        add("optimizer", u.master)
-        for t in u.state.values():
-            add("optimizer", t)
+    for kind, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out[kind] += storage.nbytes()
     return out
+
+
+def held_bytes(units) -> dict[str, int]:
+    """Bytes of the tensors a rank holds between steps in our strategies, by kind."""
+    def tensors():
+        for u in units:
+            yield from (("params", u.flat), ("params", u.shard))
+            for p in u.module.parameters():
+                yield from (("params", p), ("grads", p.grad))
+            yield from (("grads", u.grad), ("optimizer", u.master))
+            yield from (("optimizer", t) for t in u.state.values())
+
+    return storage_bytes(tensors())
 
 
 def zero_formula(stage: str, psi: float, n: int, mixed: bool = True, state_bytes: int = 8) -> dict[str, float]:

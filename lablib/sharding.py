@@ -28,6 +28,7 @@ from torch import nn
 
 from . import comm
 from .memory import held_bytes
+from .timeline import span
 
 # -- the flat parameter layout ----------------------------------------------------------------------
 
@@ -336,8 +337,6 @@ def train(stage: str, model_name: str = "mlp", steps: int = 3, optimizer: Optimi
             for u in units:
                 ctx.update(u, u.grad)
         else:
-            from .timeline import span
-
             with span(f"fwd+bwd step {step}"):
                 loss = loss_fn(nn.Sequential(*[u.module for u in units])(x), y)
                 loss.backward()
@@ -358,7 +357,7 @@ def gather_full(units: list[Unit], ctx: Context) -> list[torch.Tensor]:
         full = u.master
         if ctx.stage != "dp":
             full = torch.empty(u.layout.padded_numel, dtype=u.master.dtype)
-            comm.untraced_all_gather(full, u.master.contiguous())
+            comm.all_gather_single(full, u.master.contiguous())
         out.append(full[:u.layout.numel].float().clone())
     return out
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from lablib import collectives as C
-from lablib.comm import _all_gather_single, _reduce_scatter_single
+from lablib.comm import all_gather_single, reduce_scatter_single
 
 
 def _compare(dtype, chunk):
@@ -14,10 +14,10 @@ def _compare(dtype, chunk):
     x = (torch.randn(chunk * n, generator=g) * 10).to(dtype)
     rs, rs_ref = torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype)
     C.ring_reduce_scatter(rs, x)
-    _reduce_scatter_single(rs_ref, x.clone())
+    reduce_scatter_single(rs_ref, x.clone())
     ag, ag_ref = torch.empty(chunk * n, dtype=dtype), torch.empty(chunk * n, dtype=dtype)
     C.ring_all_gather(ag, x[:chunk])
-    _all_gather_single(ag_ref, x[:chunk].clone())
+    all_gather_single(ag_ref, x[:chunk].clone())
     ar, ar_ref = x[:-1].clone(), x[:-1].clone()  # a size n does not divide
     C.ring_all_reduce(ar)
     dist.all_reduce(ar_ref)

@@ -23,6 +23,7 @@ def test_committed_learner_copies_are_what_release_makes():
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_sources_keep_outputs_only_where_nbval_compares_them(source):
     nb = nbformat.read(source, as_version=4)
+    assert "widgets" not in nb.metadata, "saved widget state (quiz answers included): run `lablib tidy`"
     for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
         if CHECK_OUTPUT in cell.source:
             assert cell.outputs and cell.execution_count, f"cell {i}: run it and keep its output (lablib tidy)"
@@ -39,6 +40,7 @@ def test_untouched_learner_copy_fails_its_checks_and_only_them(source, tmp_path)
                    env={**__import__("os").environ, "LABLIB_ANSWERS": str(tmp_path / "quiz_answers.json")})
     results = _junit_results(junit)
     nb = nbformat.read(learner, as_version=4)
+    assert "widgets" not in nb.metadata and "Your saved answer" not in learner.read_text()
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert len(results) == len(code)
     for n, cell in enumerate(code):

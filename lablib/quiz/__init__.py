@@ -87,26 +87,22 @@ def show(quiz_id: str, lang: str | None = None, store: AnswerStore | None = None
     return QuizView(all_banks[quiz_id], store or AnswerStore(), lang)
 
 
-def _status(name, store):
+def _status(name, store) -> list[tuple[Question, str]]:
     answers = (store or AnswerStore()).load()
-    rows = []
-    for q in questions(name):
-        rec = answers.get(q.ref)
-        rows.append((q, None if rec is None else q.is_correct(rec.get("response"))))
-    return rows
+    return [(q, q.status(answers.get(q.ref))) for q in questions(name)]
 
 
 def score(name: str, store: AnswerStore | None = None) -> None:
     """Print one stable line, e.g. ``01_sharding: 7/10 correct``, for an nbval-checked cell."""
     rows = _status(name, store)
-    print(f"{name}: {sum(ok is True for _, ok in rows)}/{len(rows)} correct")
+    print(f"{name}: {sum(st == 'correct' for _, st in rows)}/{len(rows)} correct")
 
 
 def check(name: str, store: AnswerStore | None = None) -> None:
     """Raise AssertionError naming every unanswered or wrong question of ``name``."""
     rows = _status(name, store)
-    missing = [q for q, ok in rows if ok is None]
-    wrong = [q for q, ok in rows if ok is False]
+    missing = [q for q, st in rows if st == "unanswered"]
+    wrong = [q for q, st in rows if st == "wrong"]
     if missing or wrong:
         lines = [f"{name}: {len(rows) - len(missing) - len(wrong)}/{len(rows)} correct"]
         lines += [f"  unanswered: {q.ref}: {q.text['en'][:80]}" for q in missing]

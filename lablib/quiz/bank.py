@@ -65,6 +65,13 @@ class Question:
         except (TypeError, ValueError):
             return False
 
+    def status(self, record: dict | None) -> str:
+        """"correct", "wrong" or "unanswered" for an answers-file record, graded against the bank (the
+        record's own "correct" flag is not trusted)."""
+        if record is None:
+            return "unanswered"
+        return "correct" if self.is_correct(record.get("response")) else "wrong"
+
     def answer_text(self, lang: str) -> str:
         if self.type == "numeric":
             tol = f" ± {self.tolerance:g}" if self.tolerance else ""

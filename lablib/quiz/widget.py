@@ -122,7 +122,7 @@ class QuestionView:
         self._show(rec, saved=True)
 
     def _show(self, rec, saved):
-        ok = self.q.is_correct(rec.get("response"))  # graded against the bank, not the stored flag
+        ok = self.q.status(rec) == "correct"
         lang = self.lang
         mark = f"<b style='color:#15803d'>✓ {t(lang, 'correct')}</b>" if ok else \
             f"<b style='color:#b91c1c'>✗ {t(lang, 'incorrect')}</b>"
@@ -133,7 +133,7 @@ class QuestionView:
     @property
     def correct(self) -> bool:
         rec = self.store.get(self.q.ref)
-        return rec is not None and self.q.is_correct(rec.get("response"))
+        return self.q.status(rec) == "correct"
 
 
 def _language_picker(quiz_langs, lang, on_change):
@@ -208,10 +208,9 @@ class QuizView:
         self.position.value = f"<b>{t(lang, 'position', k=self.k + 1, n=len(self.views))}</b>"
         correct = 0
         for i, (v, b) in enumerate(zip(self.views, self.preview_buttons)):
-            rec = answers.get(v.q.ref)
-            ok = rec is not None and v.q.is_correct(rec.get("response"))
-            correct += ok
-            mark = "✓" if ok else ("✗" if rec is not None else "·")
+            status = v.q.status(answers.get(v.q.ref))
+            correct += status == "correct"
+            mark = {"correct": "✓", "wrong": "✗", "unanswered": "·"}[status]
             b.description = f"{mark} {i + 1}. {plain(v.q.text[lang])}"
             b.tooltip = plain(v.q.text[lang])
             b.button_style = "info" if i == self.k else ""
