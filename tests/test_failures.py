@@ -1,6 +1,8 @@
 """Nothing a rank does may hang the notebook: each failure comes back as a clear error, in bounded
 time, and the pool runs the next job. The bounds asserted here separate "reported" from "hung"
-(the Gloo default would be 30 minutes); benchmarks/bench_cluster.py measures the actual latencies."""
+(the Gloo default would be 30 minutes): a slow run on a busy machine must not break them.
+benchmarks/bench_cluster.py measures the actual latencies (error <= 1 s, hang <= timeout + 2 s,
+stop <= 2 s)."""
 import os
 import signal
 import subprocess
@@ -12,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from procs import alive
+from procs import HUNG, alive, wait_gone
 
 from lablib import RankError
 
@@ -38,7 +40,7 @@ def test_exception_names_the_rank_and_carries_its_traceback(fragile):
     t = time.perf_counter()
     with pytest.raises(RankError) as info:
         fragile.run(_raise_on_last)
-    assert time.perf_counter() - t < 2.0
+    assert time.perf_counter() - t < HUNG
     err = info.value
     msg = str(err)
     assert msg.startswith(f"rank {last} of {fragile.world_size} failed: ValueError: bad shard size 3")
@@ -72,12 +74,11 @@ def _never_arrives():
     (_different_collectives, r"timed out after 2 s waiting for a peer: rank 0 in all_reduce, rank 1 in broadcast"),
     (_never_arrives, r"rank 1: did not finish; stopped by lablib"),
 ])
-def test_hang_is_reported_within_timeout_plus_2s(fragile, fn, expect):
+def test_hang_is_reported_not_waited_out(fragile, fn, expect):
     t = time.perf_counter()
     with pytest.raises(RankError, match=expect) as info:
         fragile.run(fn)
-    elapsed = time.perf_counter() - t
-    assert elapsed < fragile.timeout + 3.0, elapsed
+    assert time.perf_counter() - t < fragile.timeout + HUNG
     assert "Hint: a collective waited 2 s" in str(info.value)
     if fn is _never_arrives:  # where the stuck rank was, from its own traceback
         assert "--- rank 1 where it was stopped ---" in str(info.value)
@@ -95,7 +96,7 @@ def test_a_rank_stuck_in_python_after_others_finish_is_stopped(fragile):
     t = time.perf_counter()
     with pytest.raises(RankError, match=r"rank\(s\) 0 of \d did not finish \(still running 2 s after rank 1 finished\)"):
         fragile.run(spin)
-    assert time.perf_counter() - t < fragile.timeout + 3.0
+    assert time.perf_counter() - t < fragile.timeout + HUNG
     _healthy(fragile)
 
 
@@ -105,7 +106,7 @@ def test_debug_names_mismatched_collectives_at_once(fragile):
         t = time.perf_counter()
         with pytest.raises(RankError, match=r"Detected mismatch between collectives.*OpType=ALLREDUCE.*TensorShape=\[3\]"):
             fragile.run(_different_collectives)
-        assert time.perf_counter() - t < 1.5
+        assert time.perf_counter() - t < HUNG  # the message says it was the check, not the timeout
         assert fragile.run(dist.get_debug_level) == [dist.DebugLevel.DETAIL] * fragile.world_size
     finally:
         fragile.debug = False
@@ -130,12 +131,12 @@ def _blocked_in_collective():
 
 
 @pytest.mark.parametrize("fn", [_sleep_everywhere, _blocked_in_collective])
-def test_keyboard_interrupt_stops_every_rank_within_2s(fragile, fn, capsys):
+def test_keyboard_interrupt_stops_every_rank(fragile, fn, capsys):
     _interrupt_after(0.5)
     t = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         fragile.run(fn)
-    assert time.perf_counter() - t < 0.5 + 2.0
+    assert time.perf_counter() - t < HUNG
     assert "lablib: interrupted" in capsys.readouterr().err
     _healthy(fragile)
 
@@ -203,10 +204,7 @@ def test_workers_exit_when_the_parent_is_killed():
     assert len(pids) == 2 and all(alive(p) for p in pids)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 5
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(p) for p in pids)
+    assert wait_gone(pids)
 
 
 def test_two_pools_on_one_machine_do_not_clash():

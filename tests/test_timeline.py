@@ -31,26 +31,30 @@ def test_spans_from_every_rank_on_one_clock(cluster):
     by = {(s.rank, s.name): s for s in tl.spans}
     assert {r for r, _ in by} == set(range(n))
     for r in range(n):
-        assert abs(by[(r, "before")].duration - 0.03 * (r + 1)) < 0.02
+        assert by[(r, "before")].duration >= 0.03 * (r + 1) - 1e-3  # a busy machine only adds
         assert by[(r, "inner")].depth == 1 and by[(r, "after")].depth == 0
         assert by[(r, "sum")].kind == "comm" and by[(r, "sum")].bytes == (1 << 14) * 4
         assert by[(r, "barrier")].kind == "comm"
     last_before_end = max(by[(r, "before")].end for r in range(n))
     for r in range(n):
         assert by[(r, "after")].start >= last_before_end - tl.clock_error - 1e-4
-    # rank 0 waited in the barrier for the slowest rank
-    assert by[(0, "barrier")].duration > 0.03 * (n - 1) - 0.01
+    # every rank waited in the barrier for the slowest rank
+    for r in range(n):
+        assert by[(r, "barrier")].end >= last_before_end - tl.clock_error - 1e-4
 
 
 def _overlap():
+    dist.barrier()  # both start together, however late the job reached each rank
     if dist.get_rank() == 0:
         x = torch.ones(4)
         work = lablib.all_reduce(x, async_op=True, name="async sum")
         with lablib.span("compute while waiting"):
-            time.sleep(0.15)
+            while not work.is_completed():  # however late rank 1 comes, this outlasts the transfer
+                time.sleep(0.01)
+            time.sleep(0.1)
         work.wait()
     else:
-        time.sleep(0.05)
+        time.sleep(0.3)
         lablib.all_reduce(torch.ones(4), name="async sum")
 
 
@@ -60,10 +64,10 @@ def test_async_span_runs_from_issue_to_completion(cluster):
     (a,) = [s for s in tl.spans if s.rank == 0 and s.name == "async sum"]
     (c,) = [s for s in tl.spans if s.rank == 0 and s.name == "compute while waiting"]
     assert a.is_async and a.kind == "comm"
-    # completes when the last peer joins (~50 ms), not when rank 0 calls wait() (~150 ms)
-    assert 0.03 < a.duration < 0.12, a.duration
+    # completes when the last peer joins (after its 300 ms), not when rank 0 calls wait() (>= 100 ms later)
+    assert a.duration > 0.2, a.duration
     assert a.start <= c.start + 1e-3
-    assert a.end < c.end
+    assert a.end < c.end - 0.05
 
 
 def test_figure_has_a_row_per_rank_and_hover_details(cluster):
