@@ -5,7 +5,10 @@
     cluster.run(fn)                      # fn on every rank, results in rank order
     cluster.timeline()                   # what each rank did when
 
-Names are loaded on first use, so a rank process importing ``lablib._worker`` pays only for torch.
+Names are loaded on first use, so a rank process (``lablib.pool.worker``) pays only for what its jobs
+use. The layout: pool/ (the ranks), timeline.py, comm.py, toy.py, strategies/ (one file per
+strategy), checks/ (one module per lab), views/ (notebook-side figures), course/ (release, grade),
+quiz/.
 """
 from __future__ import annotations
 
@@ -15,19 +18,18 @@ import sys
 
 __version__ = "0.1.0"
 
-# Imported eagerly: the function lablib.cluster must shadow the submodule of the same name.
-from .cluster import Cluster, RankError, cluster  # noqa: E402
-
 _EXPORTS = {
+    "Cluster": "pool", "RankError": "pool", "cluster": "pool",
     "span": "timeline", "Timeline": "timeline", "Span": "timeline",
     "device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
     "broadcast": "comm", "all_to_all": "comm", "barrier": "comm",
     "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm",
 }
-__all__ = sorted(_EXPORTS) + ["Cluster", "RankError", "cluster", "load_ipython_extension"]
+__all__ = sorted(_EXPORTS) + ["load_ipython_extension"]
 
 
-_MODULES = {"checks", "collectives", "comm", "doctor", "fsdp", "grading", "memory", "quiz", "sharding", "timeline"}
+_MODULES = {"bandwidth", "checks", "comm", "course", "doctor", "memory", "pool", "quiz", "strategies", "timeline",
+            "toy", "views"}
 
 
 def __getattr__(name):
@@ -35,7 +37,7 @@ def __getattr__(name):
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
-    if name in _MODULES:  # lablib.sharding etc. work without importing them first
+    if name in _MODULES:  # lablib.toy etc. work without importing them first
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'lablib' has no attribute {name!r}")
 

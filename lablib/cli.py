@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .paths import LABS, SOURCES
+
 
 def _positive_int(text):
     try:
@@ -25,14 +27,15 @@ def main(argv=None) -> int:
     qcheck = quiz_sub.add_parser("check", help="validate every quiz bank; exit 1 on any problem")
     qcheck.add_argument("folder", nargs="?", help="folder of *.yaml banks (default: the repository's quizzes/)")
     rel = sub.add_parser("release", help="write learner notebooks from the solved sources")
-    rel.add_argument("source_dir", help="folder of source notebooks (e.g. labs/solutions)")
-    rel.add_argument("out_dir", help="where the learner copies go (e.g. labs)")
+    rel.add_argument("source_dir", nargs="?", default=str(SOURCES), help="folder of source notebooks (default: sources/)")
+    rel.add_argument("out_dir", nargs="?", default=str(LABS), help="where the learner copies go (default: labs/)")
     rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if a learner copy is out of date")
     tdy = sub.add_parser("tidy", help="strip a source notebook's outputs except the ones nbval compares")
-    tdy.add_argument("notebooks", nargs="+", help="notebooks to tidy in place (e.g. labs/solutions/*.ipynb)")
+    tdy.add_argument("notebooks", nargs="+", help="notebooks to tidy in place (e.g. sources/*.ipynb)")
     grd = sub.add_parser("grade", help="re-execute learners' notebooks under nbval and write a gradebook")
     grd.add_argument("submissions", help="one folder per learner, holding their notebooks and quiz_answers.json")
-    grd.add_argument("--release", required=True, help="the released notebooks the graded cells are restored from")
+    grd.add_argument("--release", default=str(LABS),
+                     help="the released notebooks the graded cells are restored from (default: labs/)")
     grd.add_argument("--out", default="gradebook.csv", help="gradebook CSV (reports go to <name>-reports/)")
     grd.add_argument("--source", help="source notebooks: also run their hidden checks")
     grd.add_argument("--cell-timeout", type=float, default=120.0, help="seconds per cell (default 120)")
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
     if args.command == "tidy":
         import nbformat
 
-        from .grading import tidy
+        from .course.release import tidy
 
         for path in args.notebooks:
             nbformat.write(tidy(nbformat.read(path, as_version=4)), path)
@@ -78,7 +81,7 @@ def _quiz_check(folder) -> int:
 
 
 def _release(args) -> int:
-    from .grading import ReleaseError, release
+    from .course.release import ReleaseError, release
 
     try:
         differ = release(args.source_dir, args.out_dir, check=args.check)
@@ -97,7 +100,7 @@ def _release(args) -> int:
 
 
 def _grade(args) -> int:
-    from .grading import grade, reports_dir
+    from .course.grade import grade, reports_dir
 
     try:
         results = grade(args.submissions, args.release, args.out, args.source, args.cell_timeout)

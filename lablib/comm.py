@@ -65,6 +65,12 @@ BUS_FACTOR = {
 }
 
 
+def ring_steps(op: str, n: int) -> int:
+    """Messages each rank sends in the ring algorithm on ``n`` ranks: N-1 steps for an all-gather or a
+    reduce-scatter, 2(N-1) for an all-reduce (a reduce-scatter, then an all-gather)."""
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
 def bytes_sent(timeline, rank: int | None = None) -> float:
     """Bytes sent, by the ring algorithms, in the traced collectives of ``timeline`` (one rank, or the
     average over ranks)."""

@@ -85,7 +85,7 @@ def environment(ranks: int = 2) -> list[str]:
         problems.append(f"torch is installed but broken: {type(exc).__name__}: {exc}")
         return problems
 
-    from .cluster import resolve_backend
+    from .pool import resolve_backend
 
     backend = resolve_backend("auto", ranks)
     _row("backend", f"auto -> {'NCCL (one GPU per rank)' if backend == 'nccl' else 'Gloo (CPU)'} for {ranks} ranks")
@@ -97,7 +97,7 @@ def doctor(ranks: int = 2) -> int:
     print("lablib doctor")
     problems = environment(ranks)
     if not problems:
-        from .cluster import Cluster
+        from .pool import Cluster
 
         try:
             with Cluster(ranks, quiet=True, timeout=20) as c:

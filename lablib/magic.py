@@ -60,7 +60,7 @@ def _parser():
 def ranks(line: str, cell: str, shell=None):
     import cloudpickle
 
-    from .cluster import cluster
+    from .pool import cluster
 
     try:
         args = _parser().parse_args(shlex.split(line))

@@ -20,11 +20,23 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 KINDS = ("compute", "comm", "idle")
-COLORS = {"compute": "#4C78A8", "comm": "#F58518", "idle": "#D3D3D3"}
 
 _now = time.perf_counter_ns
+
+
+class RawSpan(NamedTuple):
+    """One span as a rank records it: its own clock, in ns. ``Timeline.from_raw`` makes ``Span``s."""
+    name: str
+    kind: str
+    t0: int
+    t1: int
+    depth: int
+    bytes: int | None
+    is_async: bool
+    meta: dict
 
 
 class _Recorder:
@@ -69,7 +81,7 @@ class span:
         t1 = _now()
         RECORDER.depth -= 1
         if RECORDER.spans is not None:
-            RECORDER.spans.append((self.name, self.kind, self.t0, t1, self.depth, self.bytes, False, self.meta))
+            RECORDER.spans.append(RawSpan(self.name, self.kind, self.t0, t1, self.depth, self.bytes, False, self.meta))
         return False
 
 
@@ -92,7 +104,7 @@ class AsyncSpan:
         self.closed = True
         spans = RECORDER.spans
         if spans is not None:
-            spans.append((self.name, self.kind, self.t0, _now(), 0, self.bytes, True, self.meta))
+            spans.append(RawSpan(self.name, self.kind, self.t0, _now(), 0, self.bytes, True, self.meta))
 
 
 @dataclass(frozen=True)
@@ -112,15 +124,6 @@ class Span:
         return self.end - self.start
 
 
-def _fmt_bytes(n):
-    if n is None:
-        return ""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-
-
 class Timeline:
     """The merged spans of one job, every rank on one clock (seconds since the job started)."""
 
@@ -132,13 +135,12 @@ class Timeline:
 
     @classmethod
     def from_raw(cls, raw_by_rank: dict, offsets: dict, origin_ns: int, world_size: int, **kw) -> "Timeline":
-        """Build from the tuples ranks recorded: ``offsets[rank]`` is (rank clock - parent clock) in ns."""
+        """Build from the ``RawSpan``s ranks recorded: ``offsets[rank]`` is (rank clock - parent clock) in ns."""
         spans = []
         for rank, raw in raw_by_rank.items():
-            off = offsets.get(rank, 0)
-            for name, kind, t0, t1, depth, nbytes, is_async, meta in raw:
-                spans.append(Span(rank, name, kind, (t0 - off - origin_ns) / 1e9, (t1 - off - origin_ns) / 1e9,
-                                  depth, nbytes, is_async, dict(meta)))
+            off = offsets.get(rank, 0) + origin_ns
+            spans += [Span(rank, r.name, r.kind, (r.t0 - off) / 1e9, (r.t1 - off) / 1e9, r.depth, r.bytes, r.is_async,
+                           dict(r.meta)) for r in raw]
         return cls(spans, world_size, **kw)
 
     # -- views ---------------------------------------------------------------------------------
@@ -180,55 +182,12 @@ class Timeline:
             lines.append(f"  rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row.items() if v or k != "async comm"))
         return "\n".join(lines)
 
-    # -- plotly --------------------------------------------------------------------------------
+    # -- drawing (lablib.views.timeline: the notebook side) ------------------------------------------
     def figure(self, show_idle: bool = True, title: str | None = None):
-        """A plotly Gantt chart: a row per rank, compute / comm / idle in distinct colours.
+        """A plotly Gantt chart: a row per rank, compute / comm / idle in distinct colours."""
+        from .views.timeline import timeline_figure
 
-        Nested spans are drawn thinner on top of their parent; async comm spans run along the lower
-        edge of the row, so overlap with compute is visible."""
-        import plotly.graph_objects as go
-
-        items = list(self.spans) + (self.idle() if show_idle else [])
-        fig = go.Figure()
-        for kind in KINDS:
-            for is_async in (False, True):
-                group = [s for s in items if s.kind == kind and s.is_async == is_async]
-                if not group:
-                    continue
-                widths, offsets = [], []
-                for s in group:
-                    if is_async:
-                        w, off = 0.22, -0.42
-                    else:
-                        w = max(0.8 - 0.2 * s.depth, 0.2)
-                        off = -w / 2
-                    widths.append(w)
-                    offsets.append(off)
-                fig.add_trace(go.Bar(
-                    orientation="h",
-                    name=kind + (" (async)" if is_async else ""),
-                    y=[s.rank for s in group],
-                    base=[s.start * 1e3 for s in group],
-                    x=[max(s.duration * 1e3, 1e-4) for s in group],
-                    width=widths,
-                    offset=offsets,
-                    marker=dict(color=COLORS[kind], opacity=0.6 if is_async else 1.0,
-                                line=dict(width=0.5, color="white")),
-                    customdata=[[s.name, s.duration * 1e3, _fmt_bytes(s.bytes), s.start * 1e3] for s in group],
-                    hovertemplate=("<b>%{customdata[0]}</b><br>rank %{y}<br>start %{customdata[3]:.3f} ms<br>"
-                                   "duration %{customdata[1]:.3f} ms<br>%{customdata[2]}<extra>" + kind + "</extra>"),
-                ))
-        fig.update_layout(
-            title=title if title is not None else (self.title or "Per-rank timeline"),
-            barmode="overlay",
-            xaxis_title="time since the job started (ms)",
-            yaxis=dict(tickmode="array", tickvals=list(range(self.world_size)),
-                       ticktext=[f"rank {r}" for r in range(self.world_size)], autorange="reversed"),
-            height=120 + 60 * self.world_size,
-            margin=dict(l=60, r=20, t=50, b=40),
-            legend=dict(orientation="h", y=-0.25 if self.world_size < 4 else -0.15),
-        )
-        return fig
+        return timeline_figure(self, show_idle=show_idle, title=title)
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         # The plotly JSON mimetype renders in JupyterLab, VS Code and nbviewer and is stable under nbval.

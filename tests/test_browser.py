@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lablib.grading import SOURCE_ONLY
+from lablib.course.notebook import SOURCE_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = next((p for p in (os.environ.get("LABLIB_CHROMIUM"), shutil.which("chromium"),
@@ -44,7 +44,7 @@ def lab(tmp_path_factory):
     work, settings = root / "work", root / "settings"
     work.mkdir()
     # The solved lab as a learner who finished the exercise would have it.
-    nb = nbformat.read(ROOT / "labs" / "solutions" / "00_welcome.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "sources" / "00_welcome.ipynb", as_version=4)
     nb.cells = [c for c in nb.cells if SOURCE_ONLY not in c.metadata.get("tags", [])]
     nbformat.write(nb, work / "00_welcome.ipynb")
     for plugin, values in {"apputils-extension/notification": {"fetchNews": "false"},

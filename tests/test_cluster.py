@@ -97,7 +97,7 @@ def test_nccl_with_too_few_gpus_is_a_clear_error():
 
 
 def test_auto_backend_follows_the_gpus():
-    from lablib.cluster import resolve_backend
+    from lablib.pool import resolve_backend
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert resolve_backend("auto", 2) == ("nccl" if gpus >= 2 else "gloo")

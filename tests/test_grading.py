@@ -11,7 +11,9 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from lablib import quiz
-from lablib.grading import ReleaseError, grade_info, release, release_notebook, restore_graded_cells
+from lablib.course.grade import restore_graded_cells
+from lablib.course.notebook import grade_info
+from lablib.course.release import ReleaseError, release, release_notebook
 
 LAB = "00_welcome"  # the fixture borrows this lab's name, so its quiz questions are real ones
 SOLUTION = "    t = torch.tensor([float(x)])\n    lablib.all_reduce(t)\n    return 2 * t.item()"

@@ -7,14 +7,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from lablib.grading import CHECK_OUTPUT, _junit_results, grade_info
+from lablib.course.grade import _junit_results
+from lablib.course.notebook import CHECK_OUTPUT, grade_info
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "labs" / "solutions").glob("*.ipynb"))
+SOURCES = sorted((ROOT / "sources").glob("*.ipynb"))
 
 
 def test_committed_learner_copies_are_what_release_makes():
-    out = subprocess.run([sys.executable, "-m", "lablib", "release", "--check", "labs/solutions", "labs"],
+    out = subprocess.run([sys.executable, "-m", "lablib", "release", "--check", "sources", "labs"],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert {p.name for p in (ROOT / "labs").glob("*.ipynb")} == {p.name for p in SOURCES}

@@ -101,7 +101,9 @@ class Quiz:
 def default_dir() -> Path:
     """``$LABLIB_QUIZZES``, else ``quizzes/`` at the root of this repository."""
     env = os.environ.get("LABLIB_QUIZZES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "quizzes"
+    from ..paths import QUIZZES
+
+    return Path(env) if env else QUIZZES
 
 
 def load_all(directory: str | Path | None = None) -> dict[str, Quiz]:

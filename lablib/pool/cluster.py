@@ -10,8 +10,8 @@ when 4 start at once on 2 cores); a pool pays it once and then runs a job in a f
 How it stays out of the way of the learner:
 - Workers are started with ``subprocess`` (spawn semantics: a kernel that has run a torch op hangs a
   forked child) and are reused; the process group is created once, and again only after a failure.
-- Functions are shipped by value with cloudpickle (a notebook's ``__main__`` can't be imported by a
-  child), so ``fn`` may be defined in the notebook and use its globals.
+- Functions are shipped by value with cloudpickle (``protocol.ship``), so ``fn`` may be defined in the
+  notebook and use its globals.
 - Rendezvous goes through a TCPStore hosted here on a free port (rank 0 hosting it costs 300-700 ms
   of client back-off); two notebooks never clash on a port.
 - A failure never hangs the cell: an exception on a rank comes back as ``RankError`` with the remote
@@ -25,9 +25,7 @@ import atexit
 import collections
 import linecache
 import os
-import pickle
 import queue
-import re
 import secrets
 import signal
 import subprocess
@@ -38,8 +36,10 @@ import time
 import weakref
 from multiprocessing.connection import Listener
 
-from ._shipping import dumps
-from .timeline import Timeline
+from ..paths import ROOT
+from ..timeline import Timeline
+from . import protocol as P
+from .failures import RankError, category, failure_message, signal_name
 
 BACKENDS = ("auto", "gloo", "nccl")
 START_TIMEOUT = 120.0  # seconds for a new worker to import torch and say hello
@@ -47,32 +47,7 @@ _STOP_GRACE = 0.2      # after a rank fails, how long the others get to fail on 
 _KILL_GRACE = 0.6      # after SIGINT, how long a rank gets to stop before SIGKILL
 _LATE_GRACE = 0.75     # past the collective timeout, so a blocked collective reports its own timeout first
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-
-
-class RankError(RuntimeError):
-    """One or more ranks failed or did not finish.
-
-    ``failures`` maps rank -> dict(type, message, traceback, exception); ``unfinished`` lists the ranks
-    that were stopped; ``results`` holds the values of the ranks that finished (None elsewhere).
-    """
-
-    def __init__(self, message, failures=None, unfinished=(), results=None):
-        super().__init__(message)
-        self.failures = failures or {}
-        self.unfinished = list(unfinished)
-        self.results = results
-
-    @property
-    def ranks(self):
-        return sorted(set(self.failures) | set(self.unfinished))
-
-    def exception(self, rank):
-        """The exception object raised on ``rank`` (None when it could not be sent back)."""
-        blob = self.failures.get(rank, {}).get("exception")
-        try:
-            return pickle.loads(blob) if blob else None
-        except Exception:
-            return None
+_LOST = object()       # event: a rank's connection closed (it exited or was killed)
 
 
 def _gpu_count() -> int:
@@ -103,35 +78,6 @@ def _describe_backend(backend, world_size, threads):
     gpus = _gpu_count()
     why = "no GPU found" if gpus == 0 else f"{gpus} GPU(s) for {world_size} ranks: NCCL needs one per rank"
     return f"Gloo on CPU ({why}), {threads} torch thread(s) per rank"
-
-
-def _signal_name(returncode):
-    if returncode is not None and returncode < 0:
-        try:
-            return signal.Signals(-returncode).name
-        except ValueError:
-            pass
-    return f"exit code {returncode}"
-
-
-def _clean(message: str) -> str:
-    """Gloo/c10d messages without their C++ source paths and option dumps."""
-    message = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", message)
-    message = re.sub(r"TensorOptions\(dtype=.*?device=([\w:]+).*?memory_format=\([^)]*\)\)", r"\1", message)
-    return message.strip()
-
-
-def _category(f) -> str:
-    text = f["message"]
-    if f["type"] in ("Stuck", "WorkerDied"):
-        return f["type"]
-    if f["interrupted"]:
-        return "stopped"
-    if "Connection closed by peer" in text or "Connection reset by peer" in text:
-        return "lost peer"
-    if "Timed out" in text or "timed out" in text:
-        return "timeout"
-    return "error"
 
 
 class _Worker:
@@ -170,7 +116,7 @@ class Cluster:
         self._debug = bool(debug)
         self._gen = 0                 # process-group generation; bumped after any failure
         self._job_id = 0
-        self._events: queue.Queue = queue.Queue()
+        self._events: queue.Queue = queue.Queue()  # (worker, message) from every rank
         self._workers: dict[int, _Worker] = {}
         self._timeline: Timeline | None = None
         self._closed = False
@@ -216,22 +162,25 @@ class Cluster:
             raise RuntimeError("this Cluster is closed; create a new one (or use lablib.cluster(n))")
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {type(fn).__name__}")
-        try:
-            payload = dumps((fn, args, kwargs))
-        except Exception as exc:
-            raise TypeError(f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {exc}. "
-                            "Everything a rank needs must be picklable (tensors, numbers, functions; "
-                            "not open files, locks or generators).") from exc
-        self._wait_ready()
-        self._job_id += 1
-        msg = pickle.dumps(("job", self._job_id, self._gen, self._debug, payload, _cell_sources()))
-        origin = time.perf_counter_ns()
-        for w in self._workers.values():
+        with _StopButton() as stop:
             try:
-                w.conn.send_bytes(msg)
-            except OSError:
-                pass  # its death is reported by the reader thread
-        return self._collect(self._job_id, origin, getattr(fn, "__name__", "job"))
+                payload = P.ship((fn, args, kwargs))
+            except Exception as exc:
+                raise TypeError(f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
+                                f"{exc}. Everything a rank needs must be picklable (tensors, numbers, functions; "
+                                "not open files, locks or generators).") from exc
+            self._wait_ready()
+            if stop.presses:  # pressed before the job was sent: nothing to stop on the ranks
+                raise KeyboardInterrupt
+            self._job_id += 1
+            msg = P.encode(P.Job(self._job_id, self._gen, self._debug, payload, _cell_sources()))
+            origin = time.perf_counter_ns()
+            for w in self._workers.values():
+                try:
+                    w.conn.send_bytes(msg)
+                except OSError:
+                    pass  # its death is reported by the reader thread
+            return self._collect(_JobState(self._job_id, self.world_size), stop, origin, getattr(fn, "__name__", "job"))
 
     def timeline(self) -> Timeline:
         """The merged per-rank timeline of the last job."""
@@ -249,7 +198,7 @@ class Cluster:
         self._closed = True
         for w in self._workers.values():
             try:
-                w.conn.send_bytes(pickle.dumps(("exit",)))
+                w.conn.send_bytes(P.encode(P.Exit()))
             except (OSError, AttributeError):
                 pass
         deadline = time.monotonic() + 1.0
@@ -284,8 +233,7 @@ class Cluster:
 
     # -- processes -------------------------------------------------------------------------------
     def _spawn(self, rank):
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = [here, os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
+        path = [str(ROOT), os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
         env = dict(os.environ,
                    LABLIB_PARENT_PID=str(os.getpid()), LABLIB_RANK=str(rank), LABLIB_WORLD_SIZE=str(self.world_size),
                    LABLIB_THREADS=str(self.threads), LABLIB_BACKEND=self.backend, LABLIB_TIMEOUT=str(self.timeout),
@@ -293,7 +241,7 @@ class Cluster:
                    LABLIB_STORE_HOST="127.0.0.1", LABLIB_STORE_PORT=str(self._store.port),
                    PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from lablib._worker import main; main()"],
+            [sys.executable, "-c", "from lablib.pool.worker import main; main()"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             # Own session: the terminal's Ctrl-C or Jupyter's interrupt reach the parent only, which
             # then stops the ranks in order.
@@ -319,26 +267,22 @@ class Cluster:
 
     def _greet(self, conn):
         try:
-            kind, rank, pid = pickle.loads(conn.recv_bytes())
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
-            conn.close()
-            return
-        w = self._workers.get(rank)
-        if w is None or w.proc.pid != pid:
-            conn.close()
-            return
-        try:
+            hello = P.decode(conn.recv_bytes())
+            w = self._workers.get(hello.rank) if isinstance(hello, P.Hello) else None
+            if w is None or w.proc.pid != hello.pid:
+                conn.close()
+                return
             # Align clocks: several ping-pongs, keep the one with the smallest round trip. Ranks on
             # one machine share a monotonic clock, so an offset within the round-trip error is zero.
             best = None
             for _ in range(5):
                 t0 = time.perf_counter_ns()
-                conn.send_bytes(pickle.dumps(("ping",)))
-                _, tw = pickle.loads(conn.recv_bytes())
+                conn.send_bytes(P.encode(P.Ping()))
+                tw = P.decode(conn.recv_bytes()).t_ns
                 t1 = time.perf_counter_ns()
                 if best is None or t1 - t0 < best[0]:
                     best = (t1 - t0, tw - (t0 + t1) // 2)
-        except (OSError, EOFError):
+        except (OSError, EOFError, ValueError, AttributeError):
             conn.close()
             return
         rtt, offset = best
@@ -350,18 +294,18 @@ class Cluster:
     def _conn_loop(self, w, conn):
         while True:
             try:
-                msg = pickle.loads(conn.recv_bytes())
+                msg = P.decode(conn.recv_bytes())
             except (EOFError, OSError):
-                self._events.put(("lost", w.rank, w))
+                self._events.put((w, _LOST))
                 return
-            self._events.put((msg[0], w.rank, w) + tuple(msg[1:]))
+            self._events.put((w, msg))
 
     def _pipe_loop(self, w, stream, pipe):
         for line in iter(pipe.readline, b""):
             text = line.decode(errors="replace")
             if stream == "stderr" and text.strip() and not text.startswith("[W"):  # c10d warnings are noise here
                 w.last_words.append(text.strip())
-            self._events.put(("out", w.rank, None, stream, text))
+            self._events.put((w, P.Out(stream, text)))
         pipe.close()
 
     def _wait_ready(self):
@@ -375,23 +319,23 @@ class Cluster:
                 if w.proc.poll() is not None:
                     self._drain_output(0.2)
                     self.close()
-                    raise RuntimeError(f"rank {w.rank} exited while starting ({_signal_name(w.proc.returncode)}); "
+                    raise RuntimeError(f"rank {w.rank} exited while starting ({signal_name(w.proc.returncode)}); "
                                        "its output is above. Run `lablib doctor` to check the installation.")
             if time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"ranks {[w.rank for w in missing]} did not start within {START_TIMEOUT:.0f} s")
             try:
-                self._handle_idle(self._events.get(timeout=0.05))
+                self._handle_idle(*self._events.get(timeout=0.05))
             except queue.Empty:
                 pass
 
-    def _handle_idle(self, ev):
-        if ev[0] == "out":
-            self._print(ev[1], ev[3], ev[4])
-        elif ev[0] == "lost" and ev[2] is self._workers.get(ev[1]) and not ev[2].killed and not self._closed:
-            w = ev[2]
+    def _handle_idle(self, w, msg):
+        """An event between jobs: print output; restart a rank that exited."""
+        if isinstance(msg, P.Out):
+            _print(w.rank, msg)
+        elif msg is _LOST and w is self._workers.get(w.rank) and not w.killed and not self._closed:
             w.proc.wait()
-            print(f"lablib: rank {w.rank} exited between jobs ({_signal_name(w.proc.returncode)}); restarting it",
+            print(f"lablib: rank {w.rank} exited between jobs ({signal_name(w.proc.returncode)}); restarting it",
                   file=sys.stderr)
             self._gen += 1
             self._spawn(w.rank)
@@ -401,112 +345,114 @@ class Cluster:
         end = time.monotonic() + seconds
         while True:
             try:
-                self._handle_idle(self._events.get(timeout=max(0.0, min(0.02, end - time.monotonic()))))
+                self._handle_idle(*self._events.get(timeout=max(0.0, min(0.02, end - time.monotonic()))))
             except queue.Empty:
                 if time.monotonic() >= end:
                     return
 
-    @staticmethod
-    def _print(rank, stream, text):
-        out = sys.stderr if stream == "stderr" else sys.stdout
-        lines = text.splitlines(keepends=True)
-        out.write("".join(f"[rank {rank}] {line}" for line in lines))
-        out.flush()
-
     # -- one job ---------------------------------------------------------------------------------
-    def _collect(self, job_id, origin, title):
-        pending = set(range(self.world_size))
-        results, failures, raw_spans, killed = {}, {}, {}, set()
-        first_ok = first_error = stop_sent = None
-        interrupted = False
-        stop_reason = ""
-        while pending:
+    def _collect(self, job: "_JobState", stop: "_StopButton", origin, title):
+        """Wait for every rank's ``Done`` (or stop the ranks that do not finish); return the results."""
+        pressed = 0
+        while job.pending:
             try:
                 try:
-                    ev = self._events.get(timeout=0.02)
+                    w, msg = self._events.get(timeout=0.02)
+                    self._on_event(job, w, msg)
                 except queue.Empty:
-                    ev = None
-                if ev is not None:
-                    kind, rank, w = ev[0], ev[1], ev[2]
-                    if kind == "out":
-                        self._print(rank, ev[3], ev[4])
-                    elif kind == "done" and ev[3] == job_id and rank in pending:
-                        _, _, _, _, outcome, spans, t_start, t_end, pg_alive = ev
-                        pending.discard(rank)
-                        raw_spans[rank] = spans
-                        if outcome[0] == "ok":
-                            results[rank] = outcome[1]
-                            first_ok = first_ok or time.monotonic()
-                            if not pg_alive:
-                                self._gen += 1
-                        else:
-                            failures[rank] = outcome[1]
-                            first_error = first_error or time.monotonic()
-                    elif kind == "lost" and rank in pending and w is self._workers.get(rank):
-                        w.proc.wait()
-                        for reader in w.readers:  # its pipes end with it: read to the end, for its last words
-                            reader.join(1.0)
-                        pending.discard(rank)
-                        killed.add(rank)
-                        said = "; its last output:\n    " + "\n    ".join(w.last_words) if w.last_words else ""
-                        failures[rank] = {"type": "WorkerDied", "time": time.perf_counter_ns(), "exception": None,
-                                          "message": f"rank {rank} died ({_signal_name(w.proc.returncode)}){said}",
-                                          "traceback": "", "interrupted": False}
-                        first_error = first_error or time.monotonic()
-                now = time.monotonic()
-                if pending and stop_sent is None:
-                    if first_error is not None and now - first_error > _STOP_GRACE:
-                        stop_reason = "another rank failed"
-                    elif first_ok is not None and now - first_ok > self.timeout + _LATE_GRACE:
-                        stop_reason = f"still running {self.timeout:g} s after rank {min(results)} finished"
-                    if stop_reason:
-                        self._interrupt(pending)
-                        stop_sent = now
-                if pending and stop_sent is not None and now - stop_sent > _KILL_GRACE:
-                    for rank in pending:
-                        self._kill(rank)
-                        killed.add(rank)
-                        failures.setdefault(rank, {
-                            "type": "Stuck", "time": time.perf_counter_ns(), "exception": None, "interrupted": True,
-                            "traceback": "",
-                            "message": "did not respond to SIGINT (stuck inside a C++ call, usually a collective "
-                                       "waiting for a peer); the process was killed and restarted"})
-                    pending.clear()
-            except KeyboardInterrupt:
-                if interrupted:  # pressed twice: no more waiting
-                    for rank in pending:
-                        self._kill(rank)
-                        killed.add(rank)
-                    pending.clear()
+                    pass
+                self._enforce_deadlines(job, time.monotonic())
+            except KeyboardInterrupt:  # where the stop button could not be caught (run from another thread)
+                stop.presses += 1
+            if stop.presses > pressed:
+                pressed = stop.presses
+                if not self._stop_pressed(job):
                     break
-                interrupted = True
-                stop_reason = "interrupted"
-                self._interrupt(pending)
-                stop_sent = time.monotonic()
         self._drain_output(0.0)
-        for rank in killed:
+        for rank in job.killed:
             self._spawn(rank)  # restarted in the background; the next run waits for it
-        if failures or killed or interrupted:
+        if job.failures or job.killed or job.interrupted:
             self._gen += 1
         self._timeline = Timeline.from_raw(
-            raw_spans, {r: w.offset_ns for r, w in self._workers.items()}, origin, self.world_size,
+            job.raw_spans, {r: w.offset_ns for r, w in self._workers.items()}, origin, self.world_size,
             clock_error=max((w.clock_error_ns for w in self._workers.values()), default=0) / 1e9, title=title)
-        if interrupted:
-            print(f"lablib: interrupted; stopped ranks {sorted(set(failures) | killed)}. The cluster is ready "
+        if job.interrupted:
+            print(f"lablib: interrupted; stopped ranks {sorted(set(job.failures) | job.killed)}. The cluster is ready "
                   "for the next run.", file=sys.stderr)
             raise KeyboardInterrupt
+        return self._results(job)
+
+    def _stop_pressed(self, job) -> bool:
+        """First press: SIGINT to the ranks still running. Second: kill them. False: stop waiting."""
+        if job.interrupted:
+            for rank in job.pending:
+                self._kill(rank)
+                job.killed.add(rank)
+            job.pending.clear()
+            return False
+        job.interrupted, job.stop_reason = True, "interrupted"
+        self._interrupt(job.pending)
+        job.stop_sent = time.monotonic()
+        return True
+
+    def _on_event(self, job, w, msg):
+        rank = w.rank
+        if isinstance(msg, P.Out):
+            _print(rank, msg)
+        elif isinstance(msg, P.Done) and msg.job_id == job.job_id and rank in job.pending:
+            job.pending.discard(rank)
+            job.raw_spans[rank] = msg.spans
+            if msg.failure is None:
+                job.results[rank] = msg.value
+                job.first_ok = job.first_ok or time.monotonic()
+                if not msg.pg_alive:
+                    self._gen += 1
+            else:
+                job.failures[rank] = msg.failure
+                job.first_error = job.first_error or time.monotonic()
+        elif msg is _LOST and rank in job.pending and w is self._workers.get(rank):
+            w.proc.wait()
+            for reader in w.readers:  # its pipes end with it: read to the end, for its last words
+                reader.join(1.0)
+            job.pending.discard(rank)
+            job.killed.add(rank)
+            said = "; its last output:\n    " + "\n    ".join(w.last_words) if w.last_words else ""
+            job.failures[rank] = P.Failure("WorkerDied", f"rank {rank} died ({signal_name(w.proc.returncode)}){said}",
+                                           time=time.perf_counter_ns())
+            job.first_error = job.first_error or time.monotonic()
+
+    def _enforce_deadlines(self, job, now):
+        """Stop the ranks still running once another failed or finished long ago; kill the deaf ones."""
+        if job.pending and job.stop_sent is None:
+            if job.first_error is not None and now - job.first_error > _STOP_GRACE:
+                job.stop_reason = "another rank failed"
+            elif job.first_ok is not None and now - job.first_ok > self.timeout + _LATE_GRACE:
+                job.stop_reason = f"still running {self.timeout:g} s after rank {min(job.results)} finished"
+            if job.stop_reason:
+                self._interrupt(job.pending)
+                job.stop_sent = now
+        if job.pending and job.stop_sent is not None and now - job.stop_sent > _KILL_GRACE:
+            for rank in job.pending:
+                self._kill(rank)
+                job.killed.add(rank)
+                job.failures.setdefault(rank, P.Failure(
+                    "Stuck", "did not respond to SIGINT (stuck inside a C++ call, usually a collective waiting for "
+                    "a peer); the process was killed and restarted", interrupted=True, time=time.perf_counter_ns()))
+            job.pending.clear()
+
+    def _results(self, job):
         values = {}
-        for rank, blob in results.items():
+        for rank, blob in job.results.items():
             try:
-                values[rank] = pickle.loads(blob)
+                values[rank] = P.unship(blob)
             except Exception as exc:
-                failures[rank] = {"type": type(exc).__name__, "message": f"its result could not be unpickled here: {exc}",
-                                  "traceback": "", "exception": None, "interrupted": False, "time": 0}
-        if failures:
+                job.failures[rank] = P.Failure(type(exc).__name__, f"its result could not be unpickled here: {exc}")
+        if job.failures:
             ordered = [values.get(r) for r in range(self.world_size)]
-            raise RankError(_failure_message(failures, set(values) - set(failures), stop_reason, self.world_size,
-                                             self.timeout),
-                            failures, [r for r in failures if _category(failures[r]) in ("stopped", "Stuck")], ordered)
+            message = failure_message(job.failures, set(values) - set(job.failures), job.stop_reason,
+                                      self.world_size, self.timeout)
+            stopped = [r for r, f in job.failures.items() if category(f) in ("stopped", "Stuck")]
+            raise RankError(message, job.failures, stopped, ordered)
         return [values[r] for r in range(self.world_size)]
 
     def _interrupt(self, ranks):
@@ -526,6 +472,47 @@ class Cluster:
             pass
 
 
+class _StopButton:
+    """While a job runs, SIGINT (the stop button, Ctrl-C) is counted here rather than raised wherever
+    the main thread happens to be: a KeyboardInterrupt raised inside a finalizer or a library's
+    ``except`` is lost, and with it the stop button, leaving the cell waiting on ranks that run on.
+    The job's loop reads the count; ``_collect`` raises KeyboardInterrupt once the ranks are stopped."""
+
+    def __init__(self):
+        self.presses, self._installed, self._previous = 0, False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._press)
+            self._installed = True
+        return self
+
+    def _press(self, signum, frame):
+        self.presses += 1
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+
+
+class _JobState:
+    """What the parent knows about the job in flight."""
+
+    def __init__(self, job_id: int, world_size: int):
+        self.job_id = job_id
+        self.pending = set(range(world_size))
+        self.results, self.failures, self.raw_spans, self.killed = {}, {}, {}, set()
+        self.first_ok = self.first_error = self.stop_sent = None
+        self.interrupted, self.stop_reason = False, ""
+
+
+def _print(rank, out: P.Out):
+    stream = sys.stderr if out.stream == "stderr" else sys.stdout
+    stream.write("".join(f"[rank {rank}] {line}" for line in out.text.splitlines(keepends=True)))
+    stream.flush()
+
+
 def _noop():
     return None
 
@@ -534,65 +521,6 @@ def _cell_sources():
     """Source lines of notebook cells (not files on disk), so remote tracebacks can quote them."""
     return {f: e[2] for f, e in list(linecache.cache.items())
             if len(e) == 4 and e[2] and ("ipykernel" in f or f.startswith("<")) and not os.path.exists(f)}
-
-
-def _failure_message(failures, finished, stop_reason, world_size, timeout):
-    """Root cause first (the earliest real error), then one line per other rank, then tracebacks."""
-    cats = {r: _category(f) for r, f in failures.items()}
-    rank_order = ["error", "WorkerDied", "timeout", "stopped", "Stuck", "lost peer"]
-    ranks = sorted(failures, key=lambda r: (rank_order.index(cats[r]), failures[r].get("time", 0)))
-    root = ranks[0]
-    f = failures[root]
-
-    def op(r):
-        return failures[r].get("op") or "a collective"
-
-    if cats[root] in ("error", "WorkerDied"):
-        head = f"rank {root} of {world_size} failed: " + (
-            _clean(f["message"]) if cats[root] == "WorkerDied" else f"{f['type']}: {_clean(f['message'])}")
-        others = ranks[1:]
-    elif cats[root] == "timeout":
-        timed = sorted(r for r in ranks if cats[r] == "timeout")
-        head = (f"rank(s) {_join(timed)} of {world_size} timed out after {timeout:g} s waiting for a peer: "
-                + ", ".join(f"rank {r} in {op(r)}" for r in timed))
-        others = [r for r in ranks if cats[r] != "timeout"]
-    else:
-        head = f"rank(s) {_join(sorted(ranks))} of {world_size} did not finish ({stop_reason})"
-        others = ranks
-    lines = [head]
-    for r in sorted(others, key=lambda r: (rank_order.index(cats[r]), r)):
-        c, msg = cats[r], failures[r]["message"]
-        lines.append(f"  rank {r}: " + {
-            "lost peer": f"left {op(r)} because a peer had failed (Connection closed by peer)",
-            "timeout": f"{op(r)} timed out after {timeout:g} s waiting for a peer",
-            "stopped": "did not finish; stopped by lablib (where it was: below)",
-            "Stuck": "stuck inside a C++ call (usually a collective waiting for a peer) and did not respond to "
-                     "SIGINT; killed and restarted",
-            "WorkerDied": msg,
-            "error": f"{failures[r]['type']}: {_clean(msg)[:200]}",
-        }[c])
-    if finished:
-        lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
-    if "timeout" in cats.values() and any(op(r) in ("send", "recv") for r in ranks):
-        lines.append("Hint: a blocking send waits until its peer receives (and a recv until its peer sends). If "
-                     "both sides of a pair send first, both wait forever: alternate the order (even ranks send "
-                     "first, odd ranks receive first), or post isend/irecv and then wait on both.")
-    elif "timeout" in cats.values():
-        lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
-                     "the same collectives in the same order, with matching shapes; Cluster(debug=True) names the "
-                     "first mismatch at once.")
-    # Two tracebacks at most: the root cause, and where a stopped rank was (else a second view of it).
-    with_tb = [r for r in ranks if failures[r]["traceback"] and cats[r] in ("error", "timeout", "stopped")]
-    stopped = [r for r in with_tb[1:] if cats[r] == "stopped"]
-    second = [r for r in with_tb[1:] if op(r) != op(with_tb[0]) or cats[r] != cats[with_tb[0]]]
-    for r in with_tb[:1] + (stopped or second)[:1]:
-        title = "where it was stopped" if cats[r] == "stopped" else "traceback"
-        lines.append(f"\n--- rank {r} {title} ---\n{_clean(failures[r]['traceback'].rstrip())}")
-    return "\n".join(lines)
-
-
-def _join(ranks):
-    return ", ".join(map(str, ranks))
 
 
 # -- the notebook-wide pool ------------------------------------------------------------------------

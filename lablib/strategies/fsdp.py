@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .memory import storage_bytes
-from .sharding import Context, FlatLayout, Optimizer, Unit, batch, build_model, flat_grad, loss_fn
-from .timeline import span
+from dataclasses import dataclass
+from typing import Callable
+
+from .. import comm
+from ..memory import STAGE_NAMES, storage_bytes
+from ..timeline import span
+from ..toy import batch, build_model, loss_fn
+from .flat import FlatLayout, Unit, flat_grad
+from .harness import Optimizer
 
 
-def unshard(unit: Unit, ctx: Context) -> None:
+def unshard(unit: Unit, ctx) -> None:
     """Make the unit's full parameters exist: allocate the flat buffer, gather every rank's shard."""
     unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
     comm.all_gather(unit.flat, unit.shard, name="all_gather params")
@@ -33,7 +38,7 @@ def reshard(unit: Unit) -> None:
     unit.flat.untyped_storage().resize_(0)
 
 
-def forward_backward(units: list[Unit], x, y, ctx: Context, unshard=unshard, reshard=reshard):
+def forward_backward(units: list[Unit], x, y, ctx, unshard=unshard, reshard=reshard):
     """One ZeRO-3 forward and backward; leaves each unit's gradient shard in ``unit.grad``."""
     inputs, h = [], x
     with torch.no_grad():
@@ -62,6 +67,26 @@ def forward_backward(units: list[Unit], x, y, ctx: Context, unshard=unshard, res
         u.grad /= ctx.world_size
         reshard(u)
     return loss
+
+
+@dataclass(frozen=True)
+class ZeRO3:
+    """ZeRO-3 / FSDP: only the shard persists; ``unshard``/``reshard`` may be a learner's."""
+    unshard: Callable = unshard
+    reshard: Callable = reshard
+    name = "zero3"
+    sharded = True
+    frees_params = True
+
+    @property
+    def title(self) -> str:
+        return STAGE_NAMES[self.name]
+
+    def train_step(self, units, x, y, ctx):
+        loss = forward_backward(units, x, y, ctx, self.unshard, self.reshard)
+        for u in units:
+            ctx.update(u, u.grad)
+        return loss
 
 
 def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer()) -> dict:

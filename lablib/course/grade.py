@@ -1,26 +1,11 @@
-"""One source per lab: release learner notebooks from it, and grade learners by re-executing theirs.
-
-A source notebook (``labs/solutions/NN_name.ipynb``) is the solved lab. In it:
-
-- ``### BEGIN SOLUTION Task 1.2: what to do`` ... ``### END SOLUTION`` marks a solution region; the
-  learner copy gets ``raise NotImplementedError("Task 1.2: what to do")`` in its place.
-- ``### BEGIN HIDDEN CHECKS`` ... ``### END HIDDEN CHECKS`` marks checks the learner does not see; they
-  run when grading with ``--source``.
-- A graded cell carries ``{"lablib": {"grade_id": "check-1.2", "points": 2}}`` in its metadata.
-- A cell tagged ``source-only`` is dropped from the learner copy (e.g. the one recording the quiz key).
-
-``release`` writes the learner copies: solutions stubbed, hidden checks and source-only cells removed,
-outputs stripped except where nbval compares them (cells marked ``# NBVAL_CHECK_OUTPUT``).
-
-``grade`` re-executes every learner's notebooks under ``pytest --nbval-lax`` after restoring each
-graded cell from the release (an edited or deleted check is put back and reported), then writes a
-gradebook (CSV) and a report per learner. See ``lablib grade --help``.
+"""Grading (``lablib grade``): every learner's notebooks re-executed under ``pytest --nbval-lax`` after
+each graded cell is restored from the release (an edited or deleted check is put back and reported),
+then a gradebook (CSV) and a report per learner. See ``lablib grade --help``.
 """
 from __future__ import annotations
 
 import copy
 import csv
-import hashlib
 import json
 import os
 import re
@@ -34,170 +19,11 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BEGIN_SOLUTION = re.compile(r"^(\s*)### BEGIN SOLUTION\b\s*(.*)$")
-END_SOLUTION = re.compile(r"^\s*### END SOLUTION\b")
-BEGIN_HIDDEN = re.compile(r"^\s*### BEGIN HIDDEN CHECKS\b")
-END_HIDDEN = re.compile(r"^\s*### END HIDDEN CHECKS\b")
-CHECK_OUTPUT = "NBVAL_CHECK_OUTPUT"
-SOURCE_ONLY = "source-only"
-ANSWERS = "quiz_answers.json"
-SANITIZE = Path(__file__).resolve().parents[1] / "labs" / "nbval_sanitize.cfg"
+from ..paths import SANITIZE
+from .notebook import ANSWERS, blank, checksum, grade_info, read_notebook
+from .release import release_notebook
 
 
-class ReleaseError(ValueError):
-    pass
-
-
-def grade_info(cell) -> dict | None:
-    """``{"grade_id": ..., "points": ...}`` of a graded cell, else None."""
-    info = cell.get("metadata", {}).get("lablib")
-    return info if isinstance(info, dict) and "grade_id" in info else None
-
-
-def read_notebook(path) -> dict:
-    """A notebook as plain JSON, sources joined into strings. Grading reads notebooks this way: importing
-    nbformat costs over a second here (its schema validator), paid again by every grading process."""
-    nb = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
-        raise ValueError(f"{path}: not a notebook (no list of cells)")
-    for cell in nb["cells"]:
-        if isinstance(cell.get("source"), list):
-            cell["source"] = "".join(cell["source"])
-        cell.setdefault("metadata", {})
-        if cell.get("cell_type") == "code":
-            cell.setdefault("outputs", [])
-    return nb
-
-
-def _blank(cell) -> dict:
-    """A copy of ``cell`` as never run."""
-    cell = copy.deepcopy(cell)
-    cell["outputs"], cell["execution_count"] = [], None
-    return cell
-
-
-def _checksum(source: str) -> str:
-    return hashlib.sha256(source.strip().encode()).hexdigest()[:16]
-
-
-# -- release -----------------------------------------------------------------------------------------
-def _strip_regions(source: str, where: str, keep_hidden: bool) -> tuple[str, list[str]]:
-    """The learner's version of a cell's source, and the tasks whose solutions were stubbed."""
-    out, tasks = [], []
-    lines = source.split("\n")
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        m = BEGIN_SOLUTION.match(line)
-        if m:
-            indent, task = m.group(1), m.group(2).strip()
-            if not re.match(r"Task \d+\.\d+", task):
-                raise ReleaseError(f"{where}, line {i + 1}: name the task after BEGIN SOLUTION, e.g. "
-                                   "'### BEGIN SOLUTION Task 1.2: pad the flat buffer'")
-            j = next((k for k in range(i + 1, len(lines)) if END_SOLUTION.match(lines[k])), None)
-            if j is None:
-                raise ReleaseError(f"{where}, line {i + 1}: BEGIN SOLUTION without END SOLUTION")
-            out += [f"{indent}# YOUR CODE HERE", f"{indent}raise NotImplementedError({task!r})"]
-            tasks.append(task)
-            i = j + 1
-            continue
-        if BEGIN_HIDDEN.match(line):
-            j = next((k for k in range(i + 1, len(lines)) if END_HIDDEN.match(lines[k])), None)
-            if j is None:
-                raise ReleaseError(f"{where}, line {i + 1}: BEGIN HIDDEN CHECKS without END HIDDEN CHECKS")
-            if keep_hidden:
-                out += lines[i + 1:j]
-            i = j + 1
-            continue
-        if END_SOLUTION.match(line) or END_HIDDEN.match(line):
-            raise ReleaseError(f"{where}, line {i + 1}: END marker without its BEGIN")
-        out.append(line)
-        i += 1
-    return "\n".join(out), tasks
-
-
-def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
-    """The learner copy of a source notebook (a new NotebookNode); raises ReleaseError on bad markers."""
-    nb = copy.deepcopy(nb)
-    cells, seen_ids = [], {}
-    pending_exercise = None
-    for index, cell in enumerate(nb["cells"]):
-        where = f"{name}: cell {index}"
-        if SOURCE_ONLY in cell.get("metadata", {}).get("tags", []):
-            continue
-        info = grade_info(cell)
-        if info is not None:
-            gid = info["grade_id"]
-            if gid in seen_ids:
-                raise ReleaseError(f"{where}: grade_id {gid!r} is also used by cell {seen_ids[gid]}")
-            seen_ids[gid] = index
-            if not (isinstance(info.get("points"), (int, float)) and info["points"] > 0):
-                raise ReleaseError(f"{where}: graded cell {gid!r} needs points > 0")
-        if cell["cell_type"] == "code":
-            if pending_exercise is not None and info is None:
-                raise ReleaseError(f"{name}: the exercise in cell {pending_exercise} must be followed by a graded "
-                                   f"check cell (cell {index} has no lablib.grade_id)")
-            pending_exercise = None
-            cell["source"], tasks = _strip_regions(cell["source"], where, keep_hidden)
-            if tasks:
-                pending_exercise = index
-        cells.append(cell)
-    if pending_exercise is not None:
-        raise ReleaseError(f"{name}: the exercise in cell {pending_exercise} must be followed by a graded check cell")
-    code = [c for c in cells if c["cell_type"] == "code"]
-    if code and "quiz.score(" not in code[-1]["source"]:
-        raise ReleaseError(f"{name}: the last code cell must be the quiz score cell (lablib.quiz.score(...))")
-    nb["cells"] = cells
-    return tidy(nb)
-
-
-def tidy(nb):
-    """Outputs only where nbval compares them (``# NBVAL_CHECK_OUTPUT`` cells, numbered so nbval treats
-    them as run); no execution counts or timing metadata elsewhere, and no saved widget state (it is
-    stale, large, and would show a learner the quiz answers of whoever ran the notebook). In place;
-    returns ``nb``."""
-    nb["metadata"].pop("widgets", None)
-    count = 0
-    for cell in nb["cells"]:
-        for key in ("execution", "collapsed", "scrolled", "ExecuteTime"):
-            cell.get("metadata", {}).pop(key, None)
-        if cell["cell_type"] != "code":
-            continue
-        count += 1
-        keep = CHECK_OUTPUT in cell["source"]
-        cell["outputs"] = cell["outputs"] if keep else []
-        cell["execution_count"] = count if keep else None
-        for out in cell["outputs"]:
-            if "execution_count" in out:
-                out["execution_count"] = count
-    return nb
-
-
-def release(source_dir, out_dir, check: bool = False) -> list[str]:
-    """Write the learner copy of every notebook in ``source_dir`` to ``out_dir``.
-
-    With ``check=True`` nothing is written; the names of copies that differ are returned."""
-    source_dir, out_dir = Path(source_dir), Path(out_dir)
-    sources = sorted(source_dir.glob("*.ipynb"))
-    if not sources:
-        raise ReleaseError(f"{source_dir}: no notebooks to release")
-    differ = []
-    for path in sources:
-        import nbformat  # the canonical formatting, so committed copies diff cleanly
-
-        learner = release_notebook(nbformat.read(path, as_version=4), path.name)
-        text = nbformat.writes(learner) + "\n"
-        target = out_dir / path.name
-        if check:
-            if not target.exists() or target.read_text() != text:
-                differ.append(path.name)
-        else:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
-    return differ
-
-
-# -- grade -------------------------------------------------------------------------------------------
 @dataclass
 class Item:
     learner: str
@@ -254,9 +80,9 @@ def restore_graded_cells(submitted, released, reference=None) -> tuple[object, l
                 reports.append(f"{gid}: duplicated; the copy was removed")
                 continue
             seen.add(gid)
-            if _checksum(cell["source"]) != _checksum(as_released[gid]["source"]) or info != grade_info(as_released[gid]):
+            if checksum(cell["source"]) != checksum(as_released[gid]["source"]) or info != grade_info(as_released[gid]):
                 reports.append(f"{gid}: edited; restored from the release")
-            cell = _blank(graded[gid])
+            cell = blank(graded[gid])
         kept.append(cell)
     for i, ref in enumerate(ref_cells):
         info = grade_info(ref)
@@ -271,7 +97,7 @@ def restore_graded_cells(submitted, released, reference=None) -> tuple[object, l
             if match is not None:
                 position = match + 1
                 break
-        kept.insert(position, _blank(graded[info["grade_id"]]))
+        kept.insert(position, blank(graded[info["grade_id"]]))
         seen.add(info["grade_id"])
         reports.append(f"{info['grade_id']}: deleted; restored from the release")
     nb["cells"] = kept
@@ -391,7 +217,7 @@ def grade(submissions, release_dir, out, source_dir=None, cell_timeout: float = 
 
 
 def _grade_learner(folder: Path, releases, references, cell_timeout) -> list[LabResult]:
-    from . import quiz
+    from .. import quiz
 
     learner = folder.name
     work = Path(tempfile.mkdtemp(prefix=f"lablib-grade-{learner}-"))

@@ -1,0 +1,184 @@
+"""Lab 01 (sharding): Tasks 1.1-1.2 (flat shards, in this process) and 1.3-1.5 (ZeRO-1, ZeRO-2 and
+ZeRO-3 steps, trained on the ranks against the single-process reference)."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..memory import STAGE_NAMES, zero_formula
+from ..pool import Cluster
+from ..strategies.flat import FlatLayout
+from ..strategies.fsdp import ZeRO3
+from ..strategies.harness import Optimizer, reference, train
+from ..strategies.zero import ZeRO1, ZeRO2
+from ..toy import build_model
+from . import CheckFailed, call_local, passed, run_on_ranks
+
+# -- Task 1.1: a rank's flat shard ---------------------------------------------------------------------
+FLAT_CASES = [(numel, n) for numel in (1, 5, 7, 8, 13) for n in (1, 2, 3, 4)]
+
+
+def flat_shard_job(fn, task="Task 1.1") -> list:
+    """The learner's shard of every case: [(numel, n, [shard of rank 0, ...]), ...]."""
+    out = []
+    for numel, n in FLAT_CASES:
+        flat = torch.arange(1, numel + 1, dtype=torch.float32)
+        out.append((numel, n, [call_local(task, fn, f"a flat buffer of {numel} elements, world_size={n}, rank={rank}",
+                                          "Every rank gets a shard of the same size, even when there are fewer "
+                                          "elements than ranks: pad first, then slice.", flat.clone(), n, rank)
+                               for rank in range(n)]))
+    return out
+
+
+def judge_flat_shard(data, task="Task 1.1") -> str:
+    for numel, n, shards in data:
+        layout = FlatLayout(((numel,),), n)
+        padded = layout.flatten([torch.arange(1, numel + 1, dtype=torch.float32)])
+        for rank, got in enumerate(shards):
+            start, end = layout.shard_bounds(rank)
+            want = padded[start:end]
+            if not isinstance(got, torch.Tensor):
+                raise CheckFailed(f"{task}: return a tensor (the shard), got {type(got).__name__}")
+            if got.numel() != want.numel():
+                raise CheckFailed(
+                    f"{task}: with {numel} elements on {n} ranks, rank {rank}'s shard has {got.numel()} "
+                    f"elements, expected {want.numel()}. Did you pad the flat buffer to a multiple of "
+                    f"world_size ({layout.padded_numel}) before splitting it into equal shards?")
+            if not torch.equal(got.flatten(), want):
+                raise CheckFailed(
+                    f"{task}: with {numel} elements on {n} ranks, rank {rank}'s shard is {got.tolist()}, "
+                    f"expected {want.tolist()}: rank r holds elements [r*s, (r+1)*s) of the padded buffer "
+                    f"(s = {want.numel()}), and the padding is zeros at the very end.")
+    cases = sum(n for _, n, _ in data)
+    return f": {cases} shards for 1-4 ranks and 1-13 elements, padding included"
+
+
+def check_flat_shard(fn) -> None:
+    """Task 1.1: pad a flat buffer to a multiple of world_size; rank r gets the r-th equal slice."""
+    __tracebackhide__ = True
+    passed("Task 1.1", judge_flat_shard(flat_shard_job(fn)))
+
+
+# -- Task 1.2: which part of which parameter a shard holds ------------------------------------------------
+def slice_cases() -> list[list[int]]:
+    rng = random.Random(1)
+    cases = [[518, 1406, 266], [10, 2], [3], [4, 4], [1, 1, 1, 1, 1]]
+    cases += [[p.numel() for p in unit.parameters()] for unit in build_model("transformer")]
+    return cases + [[rng.randint(1, 20) for _ in range(rng.randint(1, 5))] for _ in range(30)]
+
+
+def shard_slices_job(fn, task="Task 1.2") -> list:
+    """The learner's slices for every case: [(numels, n, [slices of rank 0, ...]), ...]."""
+    return [(numels, n, [call_local(task, fn, f"numels={list(numels)}, world_size={n}, rank={rank}",
+                                    "Parameters are laid out in order in the flat buffer; a rank's shard is "
+                                    "[rank*s, (rank+1)*s) with s = ceil(total/world_size).", list(numels), n, rank)
+                         for rank in range(n)])
+            for numels in slice_cases() for n in (1, 2, 3, 4)]
+
+
+def judge_shard_slices(data, task="Task 1.2") -> str:
+    for numels, n, per_rank in data:
+        layout = FlatLayout(tuple((k,) for k in numels), n)
+        for rank, got in enumerate(per_rank):
+            want = [(s.param, s.param_start, s.shard_start, s.length) for s in layout.shard_slices(rank)]
+            try:
+                got = [tuple(int(v) for v in item) for item in got]
+            except (TypeError, ValueError):
+                raise CheckFailed(f"{task}: return a list of (param, param_start, shard_start, length) "
+                                  f"tuples, got {got!r}") from None
+            if got != want:
+                hint = ""
+                if {w[0] for w in want} - {g[0] for g in got}:
+                    hint = (" A parameter that crosses a shard boundary appears in both shards, each with its "
+                            "own part; one that ends exactly at a boundary does not reach the next shard.")
+                elif [w[0] for w in want] == [g[0] for g in got]:
+                    hint = (" The parameters are right; check the offsets: param_start counts from the start "
+                            "of the parameter, shard_start from the start of this rank's shard.")
+                raise CheckFailed(f"{task}: for parameters of {numels} elements on {n} ranks (shard size "
+                                  f"{layout.shard_numel}), rank {rank} should hold {want}, got {got}.{hint}")
+    shards = sum(len(per_rank) for _, _, per_rank in data)
+    return f": {shards} shards of {len(data) // 4} parameter lists on 1-4 ranks"
+
+
+def check_shard_slices(fn) -> None:
+    """Task 1.2: which part of which parameter each rank's shard holds."""
+    __tracebackhide__ = True
+    passed("Task 1.2", judge_shard_slices(shard_slices_job(fn)))
+
+
+# -- Tasks 1.3-1.5: ZeRO steps, trained on the ranks ------------------------------------------------------
+_STAGE_HINTS = {
+    "zero1": "Did you divide the all-reduced gradient by the world size, update only this rank's slice "
+             "(unit.grad[start:end]) with ctx.update, and all-gather unit.shard into unit.flat afterwards?",
+    "zero2": "reduce_scatter leaves this rank the *sum* of its shard of the gradients: divide it by the world "
+             "size, keep it as unit.grad, update with it, then all-gather the parameters.",
+    "zero3": "unshard must make room for the full parameters again (resize the flat buffer's storage to "
+             "padded_numel * element_size bytes) and all-gather every rank's unit.shard into unit.flat.",
+}
+_RANK_HINTS = (
+    ("storage of size 0", "unshard gathers into unit.flat, whose storage reshard freed: resize it back to "
+                          "unit.layout.padded_numel * unit.flat.element_size() bytes before the all-gather."),
+    ("timed out", "one rank skipped a collective the others called: every rank must call the same "
+                  "collectives, in the same order, for every unit."),
+)
+_MEMORY_HINTS = {
+    ("zero1", "optimizer"): "ZeRO-1 keeps optimizer state for this rank's shard only: pass "
+                            "unit.grad[start:end], not the whole gradient, to ctx.update.",
+    ("zero2", "grads"): "ZeRO-2 keeps only this rank's shard of the gradient: set unit.grad to the "
+                        "reduce-scattered shard so the full gradient is freed.",
+    ("zero2", "optimizer"): "pass this rank's gradient shard, not the full gradient, to ctx.update.",
+    ("zero3", "params"): "between uses ZeRO-3 keeps only the shard: reshard must free the full flat "
+                         "buffer (unit.flat.untyped_storage().resize_(0)).",
+}
+MODELS, STEPS = ("mlp", "transformer"), 3
+
+
+def train_job(strategy) -> dict:
+    """On each rank: both models trained with ``strategy``; parameters, bytes held and Ψ per model."""
+    return {model: train(strategy, model, STEPS, Optimizer(), False) for model in MODELS}
+
+
+def judge_zero(task: str, stage: str, per_rank: list[dict]) -> str:
+    n, worst = len(per_rank), 0.0
+    for model in MODELS:
+        ref = reference(model, STEPS, n)
+        for rank, result in enumerate(r[model] for r in per_rank):
+            err = max((got - want).abs().max().item() for got, want in zip(result["params"], ref))
+            worst = max(worst, err)
+            if not err <= 1e-6:
+                raise CheckFailed(f"{task}: after {STEPS} steps of the {model}, rank {rank}'s parameters differ from "
+                                  f"the single-process reference by {err:.2e} (tolerance 1e-6). {_STAGE_HINTS[stage]}")
+            expected = zero_formula(stage, result["psi"], n, mixed=False, state_bytes=4)
+            for kind in ("params", "grads", "optimizer"):
+                if result["memory"][kind] != expected[kind]:
+                    hint = _MEMORY_HINTS.get((stage, kind), _STAGE_HINTS[stage])
+                    raise CheckFailed(f"{task}: the values are right, but rank {rank} holds "
+                                      f"{result['memory'][kind]} bytes of {kind} after a step, expected "
+                                      f"{expected[kind]:.0f}. {hint}")
+    return (f" on {n} ranks: the MLP and the transformer block match the single-process reference (max error "
+            f"{worst:.1e}), and each rank holds exactly what {STAGE_NAMES[stage]} keeps")
+
+
+def _check_zero(task, strategy, cluster):
+    __tracebackhide__ = True
+    per_rank = run_on_ranks(cluster, task, train_job, strategy, hints=_RANK_HINTS)
+    passed(task, judge_zero(task, strategy.name, per_rank))
+
+
+def check_zero1(step, cluster: Cluster) -> None:
+    """Task 1.3: the learner's ZeRO-1 step."""
+    __tracebackhide__ = True
+    _check_zero("Task 1.3", ZeRO1(step=step), cluster)
+
+
+def check_zero2(step, cluster: Cluster) -> None:
+    """Task 1.4: the learner's ZeRO-2 step."""
+    __tracebackhide__ = True
+    _check_zero("Task 1.4", ZeRO2(step=step), cluster)
+
+
+def check_zero3(unshard, reshard, cluster: Cluster) -> None:
+    """Task 1.5: the learner's ZeRO-3 unshard and reshard."""
+    __tracebackhide__ = True
+    _check_zero("Task 1.5", ZeRO3(unshard=unshard, reshard=reshard), cluster)

@@ -1,0 +1,1 @@
+"""The instructor side: releasing learner notebooks from the sources, and grading submissions."""

@@ -1,0 +1,23 @@
+"""The course's labs, in order: one line registers a lab.
+
+A lab is four files in known places, named from its line here:
+    sources/<notebook>.ipynb          the solved source (labs/<notebook>.ipynb is released from it)
+    lablib/checks/<checks>.py         its checks, each owning its task id
+    lablib/strategies/<name>.py       one file per strategy it builds (none for the welcome lab)
+    tests/test_<checks>.py            its tests
+tests/test_layout.py holds every registered lab to this, and every notebook in sources/ to a line here.
+"""
+from typing import NamedTuple
+
+
+class Lab(NamedTuple):
+    notebook: str
+    checks: str
+    strategies: tuple = ()
+
+
+LABS = (
+    Lab("00_welcome", "lab00"),
+    Lab("01_sharding", "lab01", ("flat", "harness", "zero", "fsdp")),
+    Lab("02_collectives", "lab02", ("ring",)),
+)

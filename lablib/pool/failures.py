@@ -1,0 +1,133 @@
+"""How a failed job is reported: ``RankError``, with the root cause first and one line per other rank."""
+from __future__ import annotations
+
+import pickle
+import re
+import signal
+
+from .protocol import Failure
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed or did not finish.
+
+    ``failures`` maps rank -> ``Failure`` (type, message, traceback, ...); ``unfinished`` lists the ranks
+    that were stopped; ``results`` holds the values of the ranks that finished (None elsewhere).
+    """
+
+    def __init__(self, message, failures=None, unfinished=(), results=None):
+        super().__init__(message)
+        self.failures: dict[int, Failure] = failures or {}
+        self.unfinished = list(unfinished)
+        self.results = results
+
+    @property
+    def ranks(self):
+        return sorted(set(self.failures) | set(self.unfinished))
+
+    def exception(self, rank):
+        """The exception object raised on ``rank`` (None when it could not be sent back)."""
+        f = self.failures.get(rank)
+        try:
+            return pickle.loads(f.exception) if f and f.exception else None
+        except Exception:
+            return None
+
+
+def signal_name(returncode) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            pass
+    return f"exit code {returncode}"
+
+
+def clean(message: str) -> str:
+    """Gloo/c10d messages without their C++ source paths and option dumps."""
+    message = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", message)
+    message = re.sub(r"TensorOptions\(dtype=.*?device=([\w:]+).*?memory_format=\([^)]*\)\)", r"\1", message)
+    return message.strip()
+
+
+def category(f: Failure) -> str:
+    if f.type in ("Stuck", "WorkerDied"):
+        return f.type
+    if f.interrupted:
+        return "stopped"
+    if "Connection closed by peer" in f.message or "Connection reset by peer" in f.message:
+        return "lost peer"
+    if "Timed out" in f.message or "timed out" in f.message:
+        return "timeout"
+    return "error"
+
+
+_ORDER = ["error", "WorkerDied", "timeout", "stopped", "Stuck", "lost peer"]
+_SEND_RECV_HINT = ("Hint: a blocking send waits until its peer receives (and a recv until its peer sends). If "
+                   "both sides of a pair send first, both wait forever: alternate the order (even ranks send "
+                   "first, odd ranks receive first), or post isend/irecv and then wait on both.")
+
+
+def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float) -> str:
+    """Root cause first (the earliest real error), then one line per other rank, then tracebacks."""
+    cats = {r: category(f) for r, f in failures.items()}
+    ranks = sorted(failures, key=lambda r: (_ORDER.index(cats[r]), failures[r].time))
+    head, others = _headline(failures, cats, ranks, stop_reason, world_size, timeout)
+    lines = [head]
+    for r in sorted(others, key=lambda r: (_ORDER.index(cats[r]), r)):
+        lines.append(f"  rank {r}: " + _one_line(failures[r], cats[r], timeout))
+    if finished:
+        lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
+    if "timeout" in cats.values() and any(_op(failures[r]) in ("send", "recv") for r in ranks):
+        lines.append(_SEND_RECV_HINT)
+    elif "timeout" in cats.values():
+        lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
+                     "the same collectives in the same order, with matching shapes; lablib.cluster(n, debug=True) "
+                     "names the first mismatch at once.")
+    lines += _tracebacks(failures, cats, ranks)
+    return "\n".join(lines)
+
+
+def _op(f: Failure) -> str:
+    return f.op or "a collective"
+
+
+def _headline(failures, cats, ranks, stop_reason, world_size, timeout):
+    root = ranks[0]
+    f = failures[root]
+    if cats[root] in ("error", "WorkerDied"):
+        what = clean(f.message) if cats[root] == "WorkerDied" else f"{f.type}: {clean(f.message)}"
+        return f"rank {root} of {world_size} failed: {what}", ranks[1:]
+    if cats[root] == "timeout":
+        timed = sorted(r for r in ranks if cats[r] == "timeout")
+        return (f"rank(s) {_join(timed)} of {world_size} timed out after {timeout:g} s waiting for a peer: "
+                + ", ".join(f"rank {r} in {_op(failures[r])}" for r in timed)), [r for r in ranks if cats[r] != "timeout"]
+    return f"rank(s) {_join(sorted(ranks))} of {world_size} did not finish ({stop_reason})", ranks
+
+
+def _one_line(f: Failure, cat: str, timeout: float) -> str:
+    return {
+        "lost peer": f"left {_op(f)} because a peer had failed (Connection closed by peer)",
+        "timeout": f"{_op(f)} timed out after {timeout:g} s waiting for a peer",
+        "stopped": "did not finish; stopped by lablib (where it was: below)",
+        "Stuck": "stuck inside a C++ call (usually a collective waiting for a peer) and did not respond to "
+                 "SIGINT; killed and restarted",
+        "WorkerDied": f.message,
+        "error": f"{f.type}: {clean(f.message)[:200]}",
+    }[cat]
+
+
+def _tracebacks(failures, cats, ranks) -> list[str]:
+    """Two tracebacks at most: the root cause, and where a stopped rank was (else a second view of it)."""
+    with_tb = [r for r in ranks if failures[r].traceback and cats[r] in ("error", "timeout", "stopped")]
+    stopped = [r for r in with_tb[1:] if cats[r] == "stopped"]
+    second = [r for r in with_tb[1:] if _op(failures[r]) != _op(failures[with_tb[0]]) or cats[r] != cats[with_tb[0]]]
+    out = []
+    for r in with_tb[:1] + (stopped or second)[:1]:
+        title = "where it was stopped" if cats[r] == "stopped" else "traceback"
+        out.append(f"\n--- rank {r} {title} ---\n{clean(failures[r].traceback.rstrip())}")
+    return out
+
+
+def _join(ranks) -> str:
+    return ", ".join(map(str, ranks))

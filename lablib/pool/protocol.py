@@ -1,0 +1,128 @@
+"""What the notebook (parent) and its ranks say to each other, and how objects travel between them.
+
+Messages are named tuples, pickled, over an authenticated ``multiprocessing.connection`` socket:
+
+  parent -> rank:  Ping | Job | Exit
+  rank -> parent:  Hello | Pong | Out | Done
+
+Python-level prints travel on the same socket as the result, so a rank's output always reaches the
+cell before its result does. C-level output (Gloo, c10d) goes to the rank's stdout/stderr pipes,
+which the parent also reads.
+
+Functions, arguments and results travel inside messages as bytes made by ``ship``: cloudpickle, by
+value for anything defined in the notebook (a notebook's ``__main__`` can't be imported by a rank),
+with two changes:
+- code objects keep their file name (cloudpickle 3 replaces it with "<dynamic-code>"), so a rank's
+  traceback can quote the notebook cell it came from;
+- with ``to_cpu``, tensors come home on the CPU whatever device they were on: the notebook kernel
+  should not have to initialise CUDA to read them.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import types
+from collections import ChainMap
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cloudpickle
+
+
+# -- parent -> rank --------------------------------------------------------------------------------
+class Ping(NamedTuple):
+    """Clock alignment: the rank answers with a Pong carrying its clock."""
+
+
+class Job(NamedTuple):
+    job_id: int
+    gen: int            # process-group generation: a new one means "re-create the group"
+    debug: bool         # TORCH_DISTRIBUTED_DEBUG=DETAIL for this generation
+    payload: bytes      # ship((fn, args, kwargs))
+    sources: dict       # {filename: lines} of notebook cells, so tracebacks can quote them
+
+
+class Exit(NamedTuple):
+    pass
+
+
+# -- rank -> parent --------------------------------------------------------------------------------
+class Hello(NamedTuple):
+    rank: int
+    pid: int
+
+
+class Pong(NamedTuple):
+    t_ns: int           # the rank's perf_counter_ns when it answered
+
+
+class Out(NamedTuple):
+    stream: str         # "stdout" or "stderr"
+    text: str
+
+
+@dataclass
+class Failure:
+    """Why a rank did not return a value."""
+    type: str                       # exception class name, or "WorkerDied" / "Stuck"
+    message: str
+    traceback: str = ""
+    exception: bytes | None = None  # the pickled exception, when it could be pickled
+    op: str | None = None           # the torch.distributed call it failed in, if any
+    interrupted: bool = False       # stopped by lablib (SIGINT) rather than failing on its own
+    time: int = 0                   # perf_counter_ns when it happened (orders root causes)
+
+
+class Done(NamedTuple):
+    job_id: int
+    value: bytes | None             # ship(result, to_cpu=True); None when the job failed
+    failure: Failure | None
+    spans: list                     # timeline.RawSpan records
+    pg_alive: bool                  # False: the job destroyed the process group
+
+
+def encode(msg) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes):
+    return pickle.loads(data)
+
+
+# -- shipping objects --------------------------------------------------------------------------------
+def _code_reduce_keeping_filename(code):
+    ctor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return ctor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table)
+    to_cpu = False
+
+    def reducer_override(self, obj):
+        if self.to_cpu and type(obj).__module__.startswith("torch") and _is_device_tensor(obj):
+            return (_identity, (obj.detach().cpu(),))
+        return super().reducer_override(obj)
+
+
+def _is_device_tensor(obj):
+    import torch
+
+    return isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta")
+
+
+def _identity(x):
+    return x
+
+
+def ship(obj, to_cpu: bool = False) -> bytes:
+    """``obj`` as bytes a rank (or the parent) can ``unship``."""
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.to_cpu = to_cpu
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def unship(blob: bytes):
+    return cloudpickle.loads(blob)

@@ -1,0 +1,126 @@
+"""FSDP's flat parameters: a unit's parameters concatenated into one buffer, padded to a multiple of
+the world size, and cut into equal shards, one per rank (PyTorch FSDP, Zhao et al. 2023,
+https://arxiv.org/abs/2304.11277; FSDP1's FlatParameter. FSDP2 shards each parameter on its own).
+
+Equal shards make every collective a plain, even split; the padding costs at most N-1 elements per
+unit. ``setup`` moves a model's parameters into such buffers and keeps what a strategy keeps.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Elements ``[param_start, param_start + length)`` of parameter ``param`` (flattened) sit at
+    ``[shard_start, shard_start + length)`` of a rank's shard."""
+    param: int
+    param_start: int
+    shard_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter lives in a flat buffer padded to ``world_size`` equal shards."""
+    shapes: tuple
+    world_size: int
+
+    @staticmethod
+    def of(params, world_size: int) -> "FlatLayout":
+        return FlatLayout(tuple(tuple(p.shape) for p in params), world_size)
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for n in self.numels:
+            out.append(o)
+            o += n
+        return out
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)  # ceil: the last shards carry the padding
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_slices(self, rank: int) -> list[ShardSlice]:
+        start, end = self.shard_bounds(rank)
+        out = []
+        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(start, off), min(end, off + n)
+            if lo < hi:
+                out.append(ShardSlice(i, lo - off, lo - start, hi - lo))
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter as a view into ``flat`` (the full buffer)."""
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def flatten(self, tensors, dtype=None) -> torch.Tensor:
+        """Copy ``tensors`` (shaped like the parameters) into a new padded flat buffer."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype or tensors[0].dtype)
+        for view, t in zip(self.views(flat), tensors):
+            view.copy_(t)
+        return flat
+
+
+@dataclass
+class Unit:
+    module: nn.Module
+    layout: FlatLayout
+    flat: torch.Tensor
+    shard: torch.Tensor
+    master: torch.Tensor
+    state: dict
+    grad: torch.Tensor | None = None
+
+
+def setup(model: nn.Sequential, rank: int, world_size: int, init_state, sharded: bool = True,
+          frees_params: bool = False, dtype=torch.float32) -> list[Unit]:
+    """Move each unit's parameters into a flat buffer and keep what a strategy keeps on this rank.
+
+    ``sharded``: the buffer is padded and split over the ranks (False: replicated, one shard of all).
+    ``frees_params``: only the shard persists; the flat buffer is a gather buffer, freed between uses.
+    ``init_state(master)``: the optimizer state for this rank's fp32 master values."""
+    units = []
+    for module in model:
+        params = list(module.parameters())
+        layout = FlatLayout.of(params, world_size if sharded else 1)  # replicated: no padding
+        flat = layout.flatten([p.detach() for p in params], dtype)
+        for p, view in zip(params, layout.views(flat)):
+            p.data = view  # the module computes with views into the flat buffer
+        start, end = layout.shard_bounds(rank if sharded else 0)
+        shard = flat[start:end]
+        if frees_params:
+            shard = shard.clone()
+            flat.untyped_storage().resize_(0)
+        master = shard if dtype == torch.float32 else shard.float()
+        units.append(Unit(module, layout, flat, shard, master, init_state(master)))
+    return units
+
+
+def flat_grad(unit: Unit) -> torch.Tensor:
+    """The unit's parameter gradients in one padded flat buffer; the per-parameter grads are freed."""
+    params = list(unit.module.parameters())
+    grad = unit.layout.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+    for p in params:
+        p.grad = None
+    return grad

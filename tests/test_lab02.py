@@ -1,0 +1,118 @@
+"""Lab 02 (collectives): the ring against torch.distributed on real Gloo ranks, the recorded messages,
+the sweep's bandwidth arithmetic and the alpha-beta model; Tasks 2.1-2.4's checks."""
+import pytest
+import torch
+import torch.distributed as dist
+from procs import HUNG
+
+import lablib
+from lablib import bandwidth as B
+from lablib.checks import CheckFailed
+from lablib.checks.lab02 import (check_ring_all_gather, check_ring_blocking, check_ring_reduce_scatter)
+from lablib.comm import all_gather_single, reduce_scatter_single
+from lablib.strategies import ring
+from lablib.views import collectives as views
+
+
+def _compare(dtype, chunk):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = (torch.randn(chunk * n, generator=g) * 10).to(dtype)
+    rs, rs_ref = torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype)
+    ring.ring_reduce_scatter(rs, x)
+    reduce_scatter_single(rs_ref, x.clone())
+    ag, ag_ref = torch.empty(chunk * n, dtype=dtype), torch.empty(chunk * n, dtype=dtype)
+    ring.ring_all_gather(ag, x[:chunk])
+    all_gather_single(ag_ref, x[:chunk].clone())
+    ar, ar_ref = x[:-1].clone(), x[:-1].clone()  # a size n does not divide
+    ring.ring_all_reduce(ar)
+    dist.all_reduce(ar_ref)
+    return [(a.double() - b.double()).abs().max().item() for a, b in ((rs, rs_ref), (ag, ag_ref), (ar, ar_ref))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_ring_matches_torch_distributed(cluster, dtype):
+    for chunk in (1, 7, 4096):
+        for diffs in cluster.run(_compare, dtype, chunk):
+            assert max(diffs) <= (0 if dtype == torch.int64 else 1e-4), diffs
+
+
+def test_recorded_messages_follow_the_ring(cluster):
+    n = cluster.world_size
+    cluster.run(ring.ring_all_gather, torch.zeros(3 * n), torch.ones(3))
+    steps = ring.transfers(cluster.timeline())
+    assert len(steps) == n - 1
+    for s, moves in enumerate(steps):
+        assert moves == [(r, (r + 1) % n, (r - s) % n) for r in range(n)]
+    cluster.run(ring.ring_reduce_scatter, torch.zeros(3), torch.ones(3 * n))
+    for s, moves in enumerate(ring.transfers(cluster.timeline())):
+        assert moves == [(r, (r + 1) % n, (r - s - 1) % n) for r in range(n)]
+
+
+def test_explorer_replays_a_run_to_the_right_end_state(cluster):
+    n = cluster.world_size
+    cluster.run(ring.ring_all_gather, torch.zeros(2 * n), torch.ones(2))
+    widget = views.ring_explorer(cluster.timeline(), "all_gather")
+    slider = widget.children[0]
+    assert slider.max == n - 1
+    slider.value = n - 1  # redraws without error at the last step
+
+
+def test_sweep_rows_and_bandwidth_arithmetic(cluster):
+    n = cluster.world_size
+    rows = B.sweep(cluster, [1 << 12, 1 << 16], iters=2)
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in B.OPS for impl in ("ring", "torch")} | {
+        ("memcpy", "torch")}
+    for r in rows:
+        assert r["seconds"] > 0 and r["algbw"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["busbw"] == pytest.approx(r["algbw"] * B.BUS_FACTOR[r["op"]](n))
+        assert r["bytes"] % n == 0
+
+
+def test_alpha_beta_fit_recovers_a_known_machine():
+    alpha, beta = 50e-6, 2e9
+    rows = [dict(n=n, bytes=s, op="all_gather", impl="ring", seconds=B.predict("all_gather", s, n, alpha, beta))
+            for n in (2, 4) for s in (1e3, 1e5, 1e7)]
+    a, b = B.fit_alpha_beta(rows)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+    assert B.predict("all_reduce", 1e9, 8, 0, 1e9) == pytest.approx(2 * 7 / 8)
+
+
+def test_quick_sweep_stops_at_4_mb(monkeypatch):
+    monkeypatch.setenv("LABLIB_QUICK", "1")
+    assert B.sweep_sizes()[-1] == 4 << 20
+    monkeypatch.setenv("LABLIB_QUICK", "0")
+    assert B.sweep_sizes() == [1 << k for k in range(10, 27, 2)]
+
+
+def test_ring_checks_teach(fragile):
+    import time
+
+    def everyone_sends_first(output, input):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        chunks = output.view(n, -1)
+        chunks[rank].copy_(input)
+        for step in range(n - 1):
+            lablib.send(chunks[(rank - step) % n], (rank + 1) % n)
+            lablib.recv(chunks[(rank - step - 1) % n], (rank - 1) % n)
+
+    def forgets_own_chunk(output, input):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        chunks = output.view(n, -1)
+        for step in range(n - 1):
+            for h in [lablib.isend(chunks[(rank - step) % n], (rank + 1) % n),
+                      lablib.irecv(chunks[(rank - step - 1) % n], (rank - 1) % n)]:
+                h.wait()
+
+    def library_call(output, input):
+        lablib.all_gather(output, input)
+
+    t = time.perf_counter()
+    with pytest.raises(CheckFailed, match="(?s)deadlock.*Hint: a blocking send waits until its peer receives"):
+        check_ring_blocking(everyone_sends_first, fragile)
+    assert time.perf_counter() - t < fragile.timeout + HUNG
+    with pytest.raises(CheckFailed, match="differs from dist.all_gather_into_tensor.*copy your own input"):
+        check_ring_all_gather(forgets_own_chunk, fragile)
+    with pytest.raises(CheckFailed, match="called all_gather"):
+        check_ring_all_gather(library_call, fragile)
+    check_ring_reduce_scatter(ring.ring_reduce_scatter, fragile)
