@@ -33,6 +33,9 @@ def children() -> set[str]:
     pid = os.getpid()
     out = set()
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out |= set(f.read().split())
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out |= set(f.read().split())
+        except FileNotFoundError:  # the thread ended since the listing (a pool's reader, a timer)
+            pass
     return out
