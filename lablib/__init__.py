@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Cluster": "pool", "RankError": "pool", "cluster": "pool",
-    "span": "timeline", "Timeline": "timeline", "Span": "timeline",
+    "span": "timeline", "Timeline": "timeline", "Span": "timeline", "compare": "timeline", "profiled": "profiling",
     "device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
     "broadcast": "comm", "all_to_all": "comm", "barrier": "comm",
     "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm",
@@ -28,7 +28,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension"]
 
 
-_MODULES = {"bandwidth", "checks", "comm", "course", "doctor", "memory", "pool", "quiz", "strategies", "timeline",
+_MODULES = {"bandwidth", "checks", "comm", "course", "doctor", "memory", "overlap", "pool", "profiling", "quiz",
+            "strategies", "timeline",
             "toy", "views"}
 
 

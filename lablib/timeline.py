@@ -12,8 +12,9 @@ it under 5% of a lab-sized training step). Outside a ``Cluster`` job nothing is 
 same code runs unchanged in a single process.
 
 A ``Timeline`` holds the spans of one job from every rank, shifted onto the parent's clock. It draws
-itself as a plotly Gantt chart (a row per rank) and exports Chrome-trace JSON for Perfetto
-(https://ui.perfetto.dev) or chrome://tracing.
+itself (a compute and a comm lane per rank, messages as arrows, the overlap numbers of
+``lablib.overlap`` under the chart), ``compare`` draws several one above the other, and it exports
+Chrome-trace JSON with flow arrows for Perfetto (https://ui.perfetto.dev) or chrome://tracing.
 """
 from __future__ import annotations
 
@@ -143,51 +144,41 @@ class Timeline:
                            dict(r.meta)) for r in raw]
         return cls(spans, world_size, **kw)
 
-    # -- views ---------------------------------------------------------------------------------
-    def idle(self) -> list[Span]:
-        """Gaps in each rank's traced activity between the first and last span of any rank.
-
-        Untraced code also shows up here, so wrap each rank's real work in spans."""
-        if not self.spans:
-            return []
-        lo = min(s.start for s in self.spans)
-        hi = max(s.end for s in self.spans)
-        gaps = []
-        for r in range(self.world_size):
-            t = lo
-            for s in sorted((s for s in self.spans if s.rank == r and not s.is_async), key=lambda s: s.start):
-                if s.start > t:
-                    gaps.append(Span(r, "idle (no span)", "idle", t, s.start))
-                t = max(t, s.end)
-            if hi > t:
-                gaps.append(Span(r, "idle (no span)", "idle", t, hi))
-        return gaps
-
+    # -- numbers (overlap.py) -------------------------------------------------------------------
     def summary(self) -> dict[int, dict[str, float]]:
-        """Seconds per rank and kind (top-level sync spans plus the idle gaps; async spans separately)."""
-        out = {r: {"compute": 0.0, "comm": 0.0, "idle": 0.0, "async comm": 0.0} for r in range(self.world_size)}
-        for s in self.spans:
-            if s.is_async:
-                out[s.rank]["async comm"] += s.duration
-            elif s.depth == 0:
-                out[s.rank][s.kind] += s.duration
-        for s in self.idle():
-            out[s.rank]["idle"] += s.duration
-        return out
+        """Seconds per rank: compute, comm (= hidden + exposed), hidden (under compute), exposed, waiting
+        (blocked before the last peer arrived), idle (no work at all, waiting included), and the overlap
+        fraction hidden / comm. See ``lablib.overlap``."""
+        from .overlap import breakdown
+
+        return breakdown(self.spans, self.world_size)
+
+    def messages(self) -> list[tuple[Span, Span]]:
+        """(send, matching recv) pairs: the k-th send from a to b with the k-th recv on b from a."""
+        from .overlap import messages
+
+        return messages(self.spans)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first span's start to the last span's end, over every rank."""
+        return max((s.end for s in self.spans), default=0.0) - min((s.start for s in self.spans), default=0.0)
 
     def __repr__(self):
-        lines = [f"Timeline: {len(self.spans)} spans on {self.world_size} ranks"
-                 + (f", span {max(s.end for s in self.spans) - min(s.start for s in self.spans):.4f} s" if self.spans else "")]
+        lines = [f"Timeline: {len(self.spans)} spans on {self.world_size} ranks, {self.duration * 1e3:.2f} ms"]
         for r, row in self.summary().items():
-            lines.append(f"  rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row.items() if v or k != "async comm"))
+            lines.append(f"  rank {r}: compute {row['compute'] * 1e3:.2f} ms, comm {row['comm'] * 1e3:.2f} ms "
+                         f"(hidden {row['hidden'] * 1e3:.2f}, exposed {row['exposed'] * 1e3:.2f}), waiting "
+                         f"{row['waiting'] * 1e3:.2f} ms, idle {row['idle'] * 1e3:.2f} ms, overlap {row['overlap']:.0%}")
         return "\n".join(lines)
 
     # -- drawing (lablib.views.timeline: the notebook side) ------------------------------------------
-    def figure(self, show_idle: bool = True, title: str | None = None):
-        """A plotly Gantt chart: a row per rank, compute / comm / idle in distinct colours."""
+    def figure(self, title: str | None = None, numbers: bool = True):
+        """The chart: per rank a compute and a comm lane, a colour per op, messages as arrows, and
+        (``numbers``) the overlap numbers per rank under it. See ``lablib.views.timeline``."""
         from .views.timeline import timeline_figure
 
-        return timeline_figure(self, show_idle=show_idle, title=title)
+        return timeline_figure(self, title=title, numbers=numbers)
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         # The plotly JSON mimetype renders in JupyterLab, VS Code and nbviewer and is stable under nbval.
@@ -199,22 +190,24 @@ class Timeline:
 
     # -- Chrome trace / Perfetto -------------------------------------------------------------------
     def chrome_trace(self) -> dict:
-        """The Trace Event Format dict: one thread per rank, async comm on a thread of its own."""
+        """The Trace Event Format dict: a process per rank with a compute and a comm thread (the lanes
+        of the chart), and each message as a flow arrow from its send to its matching recv."""
         events = []
         for r in range(self.world_size):
-            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": r, "args": {"sort_index": 2 * r}})
-            if any(s.rank == r and s.is_async for s in self.spans):
-                tid = 1000 + r
-                events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": f"rank {r} async comm"}})
-                events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": 2 * r + 1}})
-        events.append({"ph": "M", "name": "process_name", "pid": 0, "args": {"name": self.title or "lablib job"}})
+            events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+            events.append({"ph": "M", "name": "process_sort_index", "pid": r, "args": {"sort_index": r}})
+            for tid, lane in enumerate(("compute", "comm")):
+                events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": lane}})
         for s in self.spans:
             args = {k: v for k, v in s.meta.items() if isinstance(v, (int, float, str, bool))}
             if s.bytes is not None:
                 args["bytes"] = s.bytes
-            events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": 0, "tid": 1000 + s.rank if s.is_async else s.rank,
+            events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": s.rank, "tid": int(s.kind == "comm"),
                            "ts": round(s.start * 1e6, 3), "dur": round(s.duration * 1e6, 3), "args": args})
+        for k, (send, recv) in enumerate(self.messages()):
+            common = {"name": "message", "cat": "message", "id": k, "tid": 1}
+            events.append({**common, "ph": "s", "pid": send.rank, "ts": round(send.start * 1e6, 3)})
+            events.append({**common, "ph": "f", "bp": "e", "pid": recv.rank, "ts": round(recv.start * 1e6, 3)})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save_chrome_trace(self, path) -> str:
@@ -222,3 +215,11 @@ class Timeline:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
         return str(path)
+
+
+def compare(*timelines: Timeline, titles=None):
+    """Timelines one above the other on one time axis (e.g. without and with prefetch), each titled with
+    its step time and the change against the first."""
+    from .views.timeline import compare_figure
+
+    return compare_figure(list(timelines), titles)

@@ -10,9 +10,9 @@ from lablib.labs import LABS
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lablib"
 # What runs on the ranks: a rank imports these (and what they import) to run a job.
-RANK_SIDE = ["lablib.pool.worker", "lablib.timeline", "lablib.comm", "lablib.toy", "lablib.memory",
-             "lablib.bandwidth", "lablib.strategies.flat", "lablib.strategies.harness", "lablib.strategies.zero",
-             "lablib.strategies.fsdp", "lablib.strategies.ring"] + [f"lablib.checks.{lab.checks}" for lab in LABS]
+RANK_SIDE = ["lablib.pool.worker", "lablib.timeline", "lablib.overlap", "lablib.profiling", "lablib.comm",
+             "lablib.toy", "lablib.memory", "lablib.bandwidth", "lablib.strategies.flat", "lablib.strategies.harness",
+             "lablib.strategies.zero", "lablib.strategies.fsdp", "lablib.strategies.ring"] + [f"lablib.checks.{lab.checks}" for lab in LABS]
 NOTEBOOK_SIDE = ("plotly", "ipywidgets", "IPython", "lablib.views", "lablib.quiz", "lablib.course")
 
 

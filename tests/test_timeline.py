@@ -70,33 +70,58 @@ def test_async_span_runs_from_issue_to_completion(cluster):
     assert a.end < c.end - 0.05
 
 
-def test_figure_has_a_row_per_rank_and_hover_details(cluster):
+def test_figure_has_two_lanes_per_rank_ops_in_colour_and_the_numbers_under_it(cluster):
     cluster.run(_staggered)
-    fig = cluster.timeline().figure()
-    names = {t.name for t in fig.data}
-    assert {"compute", "comm"} <= names
-    ys = set()
-    for t in fig.data:
-        ys |= set(t.y)
-        assert t.orientation == "h"
-    assert ys == set(range(cluster.world_size))
-    comm = next(t for t in fig.data if t.name == "comm")
-    assert any("65.5 KB" in row for row in map(str, comm.customdata))
-    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(cluster.world_size)]
-    colors = {t.name: t.marker.color for t in fig.data}
-    assert len(set(colors.values())) == len(colors)
+    tl = cluster.timeline()
+    fig = tl.figure()
+    bars = {t.name: t for t in fig.data if t.type == "scattergl" and t.mode == "lines"}
+    assert {"compute", "all-reduce", "barrier"} <= set(bars)  # by op, not just compute/comm
+    assert len({t.line.color for t in bars.values()}) == len(bars)
+    n = cluster.world_size
+    lanes = {round(y) for t in bars.values() for y in t.y if y is not None}
+    assert lanes == {3 * r for r in range(n)} | {3 * r + 1 for r in range(n)}  # compute and comm lanes
+    assert {y for y in bars["all-reduce"].y if y is not None} == {3 * r + 1 for r in range(n)}
+    assert any("65.5 KB" in (t or "") for t in bars["all-reduce"].text)
+    assert "idle" not in " ".join(bars)  # idle is the gaps, never a bar drawn over work
+    (table,) = [t for t in fig.data if t.type == "table"]
+    assert list(table.cells.values[0]) == [f"rank {r}" for r in range(n)]
+    assert list(fig.layout.yaxis.ticktext)[:2] == ["rank 0 compute", "rank 0 comm"]
 
 
-def test_idle_gaps_and_summary():
-    spans = [Span(0, "a", "compute", 0.0, 1.0), Span(0, "b", "comm", 2.0, 3.0),
-             Span(1, "c", "compute", 0.0, 3.0), Span(1, "x", "compute", 0.5, 0.6, depth=1)]
-    tl = Timeline(spans, 2)
-    gaps = tl.idle()
-    assert [(g.rank, g.start, g.end) for g in gaps] == [(0, 1.0, 2.0)]
-    s = tl.summary()
-    assert s[0] == {"compute": 1.0, "comm": 1.0, "idle": 1.0, "async comm": 0.0}
-    assert s[1]["compute"] == 3.0  # the nested span is not counted twice
-    assert "rank 0: compute 1000.00 ms, comm 1000.00 ms, idle 1000.00 ms" in repr(tl)
+def _ring_messages():
+    from lablib.strategies.ring import ring_all_gather
+
+    lablib.barrier()
+    n = dist.get_world_size()
+    ring_all_gather(torch.zeros(2 * n), torch.ones(2))
+
+
+def test_messages_are_arrows_in_the_chart_and_flows_in_the_trace(cluster, tmp_path):
+    cluster.run(_ring_messages)
+    tl = cluster.timeline()
+    n = cluster.world_size
+    pairs = tl.messages()
+    assert len(pairs) == n * (n - 1)  # N-1 steps, one message per rank each
+    for send, recv in pairs:
+        assert (send.meta["peer"], recv.meta["peer"]) == (recv.rank, send.rank)
+        assert send.meta["chunk"] == recv.meta["chunk"] and send.meta["step"] == recv.meta["step"]
+    (arrows,) = [t for t in tl.figure().data if t.name == "message"]
+    assert arrows.marker.symbol == "arrow" and sum(1 for x in arrows.x if x is None) == len(pairs)
+    trace = json.loads(open(tl.save_chrome_trace(tmp_path / "ring.json")).read())["traceEvents"]
+    starts = [e for e in trace if e["ph"] == "s"]
+    ends = {e["id"]: e for e in trace if e["ph"] == "f"}
+    assert len(starts) == len(ends) == len(pairs)
+    for e in starts:
+        assert ends[e["id"]]["pid"] == (e["pid"] + 1) % n  # round the ring
+
+
+def test_compare_draws_runs_on_one_time_axis_with_their_step_times():
+    a = Timeline([Span(0, "F0", "compute", 0.0, 0.010)], 1, title="no prefetch")
+    b = Timeline([Span(0, "F0", "compute", 0.0, 0.0075)], 1, title="prefetch")
+    fig = lablib.compare(a, b)
+    heads = [ann.text for ann in fig.layout.annotations]
+    assert heads == ["no prefetch: 10.00 ms", "prefetch: 7.50 ms, -25% vs no prefetch"]
+    assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
 
 
 def test_chrome_trace_is_valid_trace_event_json(cluster, tmp_path):
@@ -109,9 +134,9 @@ def test_chrome_trace_is_valid_trace_event_json(cluster, tmp_path):
     for e in spans:
         assert {"name", "cat", "ph", "ts", "dur", "pid", "tid"} <= set(e)
         assert e["dur"] >= 0 and isinstance(e["ts"], (int, float))
-    thread_names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert thread_names[0] == "rank 0" and thread_names[1000] == "rank 0 async comm"
-    assert any(e["tid"] == 1000 and e["name"] == "async sum" for e in spans)
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and "name" in e["args"]}
+    assert names[(0, None)] == "rank 0" and names[(0, 0)] == "compute" and names[(0, 1)] == "comm"
+    assert any(e["pid"] == 0 and e["tid"] == 1 and e["name"] == "async sum" for e in spans)
 
 
 def test_timeline_renders_as_plotly_json():
@@ -119,7 +144,7 @@ def test_timeline_renders_as_plotly_json():
     bundle = tl._repr_mimebundle_()
     fig = bundle["application/vnd.plotly.v1+json"]
     json.dumps(fig)  # serialisable as is
-    assert fig["data"][0]["type"] == "bar" and "text/plain" in bundle
+    assert fig["data"][0]["type"] == "scattergl" and "text/plain" in bundle
 
 
 def test_span_outside_a_job_records_nothing_and_rejects_bad_kinds():

@@ -48,6 +48,7 @@ _KILL_GRACE = 0.6      # after SIGINT, how long a rank gets to stop before SIGKI
 _LATE_GRACE = 0.75     # past the collective timeout, so a blocked collective reports its own timeout first
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 _LOST = object()       # event: a rank's connection closed (it exited or was killed)
+_NOISE = ("USDT:",)    # C-level lines a rank prints that mean nothing to a learner (torch.profiler's start/stop)
 
 
 def _gpu_count() -> int:
@@ -303,6 +304,8 @@ class Cluster:
     def _pipe_loop(self, w, stream, pipe):
         for line in iter(pipe.readline, b""):
             text = line.decode(errors="replace")
+            if text.startswith(_NOISE):
+                continue
             if stream == "stderr" and text.strip() and not text.startswith("[W"):  # c10d warnings are noise here
                 w.last_words.append(text.strip())
             self._events.put((w, P.Out(stream, text)))

@@ -1,10 +1,41 @@
-"""Drawing a ``Timeline``: a plotly Gantt chart, a row per rank."""
+"""Drawing timelines: per rank a compute lane and a communication lane, a colour per operation, short
+labels on wide bars, messages as arrows from send to matching recv, and the overlap numbers under the
+chart. Idle is what is not drawn: the gaps.
+
+Bars are thick WebGL line segments (``scattergl``), not shapes or SVG bars, so a 10,000-span pipeline
+run still draws and zooms at once (benchmarks/bench_timeline.py measures it). Colours are the
+Okabe-Ito palette, readable with the common colour-vision deficiencies, plus Tol's for the rarer ops.
+"""
 from __future__ import annotations
 
-import plotly.graph_objects as go
+import dataclasses
+import re
 
-# One colour per span kind (timeline.KINDS); the drawing imports nothing from the timeline itself.
-COLORS = {"compute": "#4C78A8", "comm": "#F58518", "idle": "#D3D3D3"}
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..overlap import op_of
+
+# op: (colour, label prefix, legend name)
+OPS = {
+    "forward": ("#0072B2", "F", "forward"),
+    "backward": ("#56B4E9", "B", "backward"),
+    "weight_grad": ("#009E73", "W", "weight gradient"),
+    "compute": ("#6C7A89", "", "compute"),
+    "all_gather": ("#E69F00", "AG", "all-gather"),
+    "reduce_scatter": ("#D55E00", "RS", "reduce-scatter"),
+    "all_reduce": ("#CC79A7", "AR", "all-reduce"),
+    "send": ("#222222", "S", "send"),
+    "recv": ("#882255", "R", "recv"),
+    "broadcast": ("#999933", "BC", "broadcast"),
+    "all_to_all": ("#44AA99", "A2A", "all-to-all"),
+    "barrier": ("#BBBBBB", "", "barrier"),
+    "comm": ("#AA4499", "", "comm"),
+    "idle": ("#DDDDDD", "", "marked idle"),
+}
+LANES = ("compute", "comm")
+ARROW_LIMIT = 400  # more messages than this are drawn as plain lines (SVG arrows get slow)
+_NUMBER = re.compile(r"(?:unit|layer|L|chunk|step|mb|micro-?batch)\s*(\d+)", re.I)
 
 
 def fmt_bytes(n):
@@ -16,49 +47,160 @@ def fmt_bytes(n):
         n /= 1000
 
 
-def timeline_figure(timeline, show_idle: bool = True, title: str | None = None):
-    """A plotly Gantt chart: a row per rank, compute / comm / idle in distinct colours.
+def lane_y(rank: int, lane: str) -> int:
+    """Rank r's compute lane is row 3r, its comm lane 3r + 1; row 3r + 2 is the gap to the next rank."""
+    return 3 * rank + LANES.index(lane)
 
-    Nested spans are drawn thinner on top of their parent; async comm spans run along the lower
-    edge of the row, so overlap with compute is visible."""
-    items = list(timeline.spans) + (timeline.idle() if show_idle else [])
-    fig = go.Figure()
-    for kind in COLORS:
-        for is_async in (False, True):
-            group = [s for s in items if s.kind == kind and s.is_async == is_async]
-            if not group:
-                continue
-            widths, offsets = [], []
-            for s in group:
-                if is_async:
-                    w, off = 0.22, -0.42
-                else:
-                    w = max(0.8 - 0.2 * s.depth, 0.2)
-                    off = -w / 2
-                widths.append(w)
-                offsets.append(off)
-            fig.add_trace(go.Bar(
-                orientation="h",
-                name=kind + (" (async)" if is_async else ""),
-                y=[s.rank for s in group],
-                base=[s.start * 1e3 for s in group],
-                x=[max(s.duration * 1e3, 1e-4) for s in group],
-                width=widths,
-                offset=offsets,
-                marker=dict(color=COLORS[kind], opacity=0.6 if is_async else 1.0,
-                            line=dict(width=0.5, color="white")),
-                customdata=[[s.name, s.duration * 1e3, fmt_bytes(s.bytes), s.start * 1e3] for s in group],
-                hovertemplate=("<b>%{customdata[0]}</b><br>rank %{y}<br>start %{customdata[3]:.3f} ms<br>"
-                               "duration %{customdata[1]:.3f} ms<br>%{customdata[2]}<extra>" + kind + "</extra>"),
-            ))
-    fig.update_layout(
-        title=title if title is not None else (timeline.title or "Per-rank timeline"),
-        barmode="overlay",
-        xaxis_title="time since the job started (ms)",
-        yaxis=dict(tickmode="array", tickvals=list(range(timeline.world_size)),
-                   ticktext=[f"rank {r}" for r in range(timeline.world_size)], autorange="reversed"),
-        height=120 + 60 * timeline.world_size,
-        margin=dict(l=60, r=20, t=50, b=40),
-        legend=dict(orientation="h", y=-0.25 if timeline.world_size < 4 else -0.15),
-    )
+
+# Sends and recvs often run at once (isend + irecv): they share the comm lane in two halves.
+HALF = {"send": -0.2, "recv": 0.2}
+
+
+def span_y(span) -> float:
+    lane = lane_y(span.rank, "comm" if span.kind == "comm" else "compute")
+    return lane + HALF.get(op_of(span), 0.0) if span.kind == "comm" else lane
+
+
+def label(span) -> str:
+    """A short label: ``meta["label"]``, else a short name as is, else the op's prefix and the layer,
+    unit, chunk or step it belongs to (from its metadata or its name): "F3", "AG1", "RS"."""
+    if "label" in span.meta:
+        return str(span.meta["label"])
+    if len(span.name) <= 6:
+        return span.name
+    prefix = OPS.get(op_of(span), OPS["comm"])[1]
+    if not prefix:
+        return ""
+    number = next((span.meta[k] for k in ("layer", "unit", "chunk", "step") if k in span.meta), None)
+    if number is None:
+        found = _NUMBER.search(span.name)
+        number = found.group(1) if found else ""
+    return f"{prefix}{number}"
+
+
+def _bars(timeline, show_legend=True, label_min=0.03):
+    """The traces of one timeline: one WebGL trace per op, and one trace of labels."""
+    spans = [s for s in timeline.spans if s.kind in ("compute", "comm", "idle")]
+    total = timeline.duration or 1.0
+    by_op: dict[str, list] = {}
+    for s in spans:
+        by_op.setdefault(op_of(s) if op_of(s) in OPS else s.kind, []).append(s)
+    traces = []
+    for op, group in by_op.items():
+        colour, _, name = OPS[op]
+        xs, ys, texts = [], [], []
+        for s in group:
+            y = span_y(s)
+            mid = (s.start + s.end) / 2
+            hover = (f"<b>{s.name}</b><br>rank {s.rank}, {name}<br>start {s.start * 1e3:.3f} ms<br>"
+                     f"duration {s.duration * 1e3:.3f} ms" + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes else ""))
+            xs += [s.start * 1e3, mid * 1e3, s.end * 1e3, None]
+            ys += [y, y, y, None]
+            texts += [hover, hover, hover, None]
+        traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=name, legendgroup=op, showlegend=show_legend,
+                                   line=dict(color=colour, width=7 if op in HALF else 14), text=texts, hovertemplate="%{text}<extra></extra>",
+                                   connectgaps=False))
+    wide = [s for s in spans if s.duration >= label_min * total and s.depth == 0 and op_of(s) not in HALF and label(s)]
+    if wide:
+        traces.append(go.Scattergl(
+            x=[(s.start + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
+            mode="text", text=[label(s) for s in wide], textfont=dict(color="white", size=10), hoverinfo="skip",
+            showlegend=False, name="labels"))
+    traces += _arrows(timeline, show_legend)
+    return traces
+
+
+def _arrows(timeline, show_legend):
+    pairs = timeline.messages()
+    if not pairs:
+        return []
+    xs, ys, sizes, texts = [], [], [], []
+    for send, recv in pairs:
+        t0 = max(send.start, recv.start)  # the data can move once both sides are there
+        xs += [t0 * 1e3, recv.end * 1e3, None]
+        ys += [span_y(send), span_y(recv), None]
+        sizes += [0, 11, 0]
+        what = f"rank {send.rank} → rank {recv.rank}: {send.name}" + (f", {fmt_bytes(send.bytes)}" if send.bytes else "")
+        texts += [what, what, None]
+    common = dict(x=xs, y=ys, name="message", mode="lines+markers" if len(pairs) <= ARROW_LIMIT else "lines",
+                  line=dict(color="#444444", width=1.2), text=texts, hovertemplate="%{text}<extra></extra>",
+                  showlegend=show_legend, legendgroup="message")
+    if len(pairs) <= ARROW_LIMIT:
+        return [go.Scatter(marker=dict(symbol="arrow", angleref="previous", size=sizes, color="#444444"), **common)]
+    return [go.Scattergl(**common)]
+
+
+def _axis(fig, world_size, row=None, col=None):
+    ticks = [lane_y(r, lane) for r in range(world_size) for lane in LANES]
+    text = [f"rank {r} {lane}" for r in range(world_size) for lane in LANES]
+    fig.update_yaxes(tickmode="array", tickvals=ticks, ticktext=text, range=[3 * world_size - 1.5, -0.6],
+                     zeroline=False, showgrid=False, row=row, col=col)
+
+
+def _table(timeline):
+    rows = timeline.summary()
+    ms = lambda key: [f"{rows[r][key] * 1e3:.2f}" for r in rows]  # noqa: E731
+    header = ["rank", "compute ms", "comm ms", "hidden ms", "exposed ms", "waiting ms", "idle ms", "overlap"]
+    cells = [[f"rank {r}" for r in rows], ms("compute"), ms("comm"), ms("hidden"), ms("exposed"), ms("waiting"),
+             ms("idle"), [f"{rows[r]['overlap']:.0%}" for r in rows]]
+    return go.Table(header=dict(values=header, fill_color="#EEEEEE", align="right"),
+                    cells=dict(values=cells, align="right", height=22))
+
+
+def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
+    """One timeline: lanes per rank, ops in colour, messages as arrows, and (``numbers``) the per-rank
+    overlap numbers in a table under it."""
+    n = timeline.world_size
+    chart_h = 90 + 62 * n
+    if numbers:
+        table_h = 40 + 24 * n
+        fig = make_subplots(rows=2, cols=1, vertical_spacing=80 / (chart_h + table_h + 80), row_heights=[chart_h, table_h],
+                            specs=[[{"type": "xy"}], [{"type": "table"}]])
+        for t in _bars(timeline):
+            fig.add_trace(t, row=1, col=1)
+        fig.add_trace(_table(timeline), row=2, col=1)
+        _axis(fig, n, row=1, col=1)
+        fig.update_xaxes(title="time since the job started (ms)", row=1, col=1)
+    else:
+        table_h = 0
+        fig = go.Figure(_bars(timeline))
+        _axis(fig, n)
+        fig.update_xaxes(title="time since the job started (ms)")
+    fig.update_layout(title=title if title is not None else (timeline.title or "Per-rank timeline"),
+                      height=chart_h + table_h + 140, margin=dict(l=110, r=20, t=50, b=10),
+                      legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"),
+                      plot_bgcolor="white", hovermode="closest")
+    return fig
+
+
+def _from_zero(timeline):
+    """The same timeline with its first span at t = 0, so runs line up by their own start."""
+    t0 = min((s.start for s in timeline.spans), default=0.0)
+    spans = [dataclasses.replace(s, start=s.start - t0, end=s.end - t0) for s in timeline.spans]
+    return type(timeline)(spans, timeline.world_size, timeline.clock_error, timeline.title)
+
+
+def compare_figure(timelines, titles=None):
+    """Two or more timelines one above the other on a shared time axis (each from its own first span),
+    each titled with its step time and the change against the first."""
+    titles = titles or [t.title or f"run {i + 1}" for i, t in enumerate(timelines)]
+    timelines = [_from_zero(t) for t in timelines]
+    if len(titles) != len(timelines):
+        raise ValueError(f"compare: {len(timelines)} timelines but {len(titles)} titles")
+    base = timelines[0].duration
+    heads = []
+    for i, (t, name) in enumerate(zip(timelines, titles)):
+        change = "" if i == 0 or not base else f", {100 * (t.duration - base) / base:+.0f}% vs {titles[0]}"
+        heads.append(f"{name}: {t.duration * 1e3:.2f} ms{change}")
+    heights = [3 * t.world_size for t in timelines]
+    fig = make_subplots(rows=len(timelines), cols=1, shared_xaxes=True, vertical_spacing=0.12 / len(timelines),
+                        subplot_titles=heads, row_heights=heights)
+    for i, t in enumerate(timelines, start=1):
+        for trace in _bars(t, show_legend=i == 1):
+            fig.add_trace(trace, row=i, col=1)
+        _axis(fig, t.world_size, row=i, col=1)
+    fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
+    fig.update_layout(height=150 + sum(62 * t.world_size + 40 for t in timelines), margin=dict(l=110, r=20, t=60, b=90),
+                      legend=dict(orientation="h", y=0, yanchor="bottom", x=0, yref="container"),
+                      plot_bgcolor="white", title="")
     return fig

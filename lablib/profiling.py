@@ -1,0 +1,108 @@
+"""PyTorch's own view of a job: run a function under ``torch.profiler`` on every rank and record what
+the profiler saw as timeline spans, so it draws in the same lanes and colours as the learner's own.
+
+    cluster.run(lablib.profiled, fsdp2_step)      # FSDP2, as torch.profiler saw it
+    cluster.timeline()                            # compute lane: top-level ops; comm lane: gloo/nccl work
+
+What becomes a span:
+- compute: each top-level event of the rank's main thread (an op or a ``record_function`` range such
+  as FSDP2's ``FSDP::pre_forward (0)``), named as the profiler names it, except waits on a collective
+  (``wait_tensor``): that time is the rank blocked on communication, not computing;
+- comm: each event of the backend's own threads (``gloo:all_gather``...), the time data was moving.
+  Its op comes from the ``c10d::`` call that issued it, matched in order: under Gloo, FSDP2's
+  reduce-scatter runs as ``gloo:all_reduce``, but it was issued as ``c10d::_reduce_scatter_base_``.
+The profiler's clock is tied to the rank's own by a marker recorded at a known ``perf_counter_ns``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+from .timeline import RECORDER, RawSpan
+
+MARK = "lablib.clock"
+# c10d's names for what it issues -> the timeline's ops
+C10D_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
+            "broadcast": "broadcast", "alltoall": "all_to_all", "barrier": "barrier", "send": "send", "recv": "recv"}
+BACKEND_PREFIXES = ("gloo:", "nccl:")
+
+
+def _c10d_op(name: str) -> str | None:
+    if not name.startswith("c10d::"):
+        return None
+    key = name[len("c10d::"):].lstrip("_").replace("_base", "").replace("_tensor", "").replace("_coalesced", "")
+    return next((op for prefix, op in C10D_OPS.items() if key.startswith(prefix)), None)
+
+
+def _minus(interval, holes):
+    """``interval`` with the ``holes`` cut out, as a list of pieces."""
+    pieces, (a, b) = [], interval
+    for h0, h1 in sorted(holes):
+        if h1 <= a or h0 >= b:
+            continue
+        if h0 > a:
+            pieces.append((a, h0))
+        a = max(a, h1)
+    if a < b:
+        pieces.append((a, b))
+    return pieces
+
+
+def spans_from_trace(events: list[dict], mark_ns: int) -> list[RawSpan]:
+    """Spans on this rank's ``perf_counter_ns`` clock from a Chrome trace's events (see module docstring)."""
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    mark = next((e for e in xs if e.get("name") == MARK), None)
+    if mark is None:
+        raise ValueError(f"the trace has no {MARK!r} marker to align its clock with")
+    offset = mark_ns - round(mark["ts"] * 1000)
+    main = mark["tid"]
+
+    def ns(us):
+        return round(us * 1000) + offset
+
+    issued = [op for e in sorted(xs, key=lambda e: e["ts"]) if e["tid"] == main for op in [_c10d_op(e["name"])] if op]
+    comm = sorted((e for e in xs if e["name"].startswith(BACKEND_PREFIXES)), key=lambda e: e["ts"])
+    spans = []
+    for k, e in enumerate(comm):
+        fallback = e["name"].split(":", 1)[1]
+        op = issued[k] if len(issued) == len(comm) else C10D_OPS.get(fallback.replace("_", ""), fallback)
+        spans.append(RawSpan(e["name"], "comm", ns(e["ts"]), ns(e["ts"] + e["dur"]), 0, None, True,
+                             {"op": op, "source": "torch.profiler"}))
+    mine = sorted((e for e in xs if e["tid"] == main and e["name"] != MARK and not _c10d_op(e["name"])),
+                  key=lambda e: (e["ts"], -e["dur"]))
+    # Waits on a collective, at any depth: the rank is blocked on communication there, not computing.
+    waits = [(e["ts"], e["ts"] + e["dur"]) for e in mine if "wait" in e["name"].split("::")[-1]]
+    end = 0.0
+    for e in mine:
+        if e["ts"] < end:
+            continue  # inside the previous top-level event
+        end = e["ts"] + e["dur"]
+        for a, b in _minus((e["ts"], end), waits):
+            spans.append(RawSpan(e["name"], "compute", ns(a), ns(b), 0, None, False, {"source": "torch.profiler"}))
+    return spans
+
+
+def profiled(fn, *args, **kwargs):
+    """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)`` under ``torch.profiler``; what the
+    profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    own, RECORDER.spans = RECORDER.spans, None
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            mark_ns = time.perf_counter_ns()
+            with record_function(MARK):
+                pass
+            result = fn(*args, **kwargs)
+    finally:
+        RECORDER.spans = own
+    with tempfile.TemporaryDirectory(prefix="lablib-trace-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    if RECORDER.spans is not None:
+        RECORDER.spans.extend(spans_from_trace(events, mark_ns))
+    return result
