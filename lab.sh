@@ -2,6 +2,7 @@
 # ./lab.sh            set up (once) and open JupyterLab on labs/
 # ./lab.sh test [..]  set up (once) and run every test; extra arguments go to pytest
 # ./lab.sh doctor     set up (once) and check the installation
+# ./lab.sh bench [..] set up (once) and measure every performance claim (python -m lablib.bench --help)
 #
 # Set-up: a virtual environment in .venv with this package and its test tools, reinstalled when
 # pyproject.toml changes. PYTHON picks the interpreter (>= 3.10). TORCH_INDEX_URL installs torch
@@ -35,5 +36,6 @@ case "$command" in
   lab)    exec "$VENV/bin/jupyter" lab labs/ "$@" ;;
   test)   "$VENV/bin/lablib" quiz check && exec "$VENV/bin/python" -m pytest "$@" ;;
   doctor) exec "$VENV/bin/lablib" doctor "$@" ;;
-  *) echo "usage: ./lab.sh [lab | test [pytest args] | doctor]" >&2; exit 2 ;;
+  bench)  exec "$VENV/bin/python" -m lablib.bench "$@" ;;
+  *) echo "usage: ./lab.sh [lab | test [pytest args] | doctor | bench [--quick]]" >&2; exit 2 ;;
 esac
