@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 
 from .timeline import RECORDER, RawSpan
 
@@ -27,6 +28,9 @@ MARK = "lablib.clock"
 C10D_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
             "broadcast": "broadcast", "alltoall": "all_to_all", "barrier": "barrier", "send": "send", "recv": "recv"}
 BACKEND_PREFIXES = ("gloo:", "nccl:")
+# Some releases warn that a profile without a schedule "clears events at the end of each cycle": a
+# one-off profile has one cycle, so the warning says nothing to a learner.
+warnings.filterwarnings("ignore", message=".*Profiler clears events")
 
 
 def _c10d_op(name: str) -> str | None:
