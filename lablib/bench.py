@@ -3,9 +3,9 @@
     python -m lablib.bench [--quick] [--json FILE] [--only P1,P3] [--readme]      (or ./lab.sh bench ...)
 
 For each claim: the course's number, the number of what it is compared with (the anchor), measured in
-the same run, their ratio, the median and min-max over repetitions, and the target. ``--quick`` (under
-3 minutes on 2 cores) leaves out the whole-course runs (P2, P8) and repeats less; the full run takes
-10-20 minutes. ``--readme`` writes the table into README.md's performance section. On a machine with
+the same run, their ratio, the median and min-max over repetitions, and the target. ``--quick`` (about
+a minute on 2 cores) leaves out the whole-course runs (P2, P8) and repeats less; the full run takes
+about 8 minutes. ``--readme`` writes the table into README.md's performance section. On a machine with
 a GPU per rank the ranks use NCCL, so the same command measures NCCL.
 """
 from __future__ import annotations
