@@ -14,7 +14,7 @@ import re
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..overlap import op_of
+from ..overlap import op_of, ready_times
 
 # op: (colour, label prefix, legend name)
 OPS = {
@@ -32,6 +32,7 @@ OPS = {
     "barrier": ("#BBBBBB", "", "barrier"),
     "comm": ("#AA4499", "", "comm"),
     "idle": ("#DDDDDD", "", "marked idle"),
+    "waiting": ("#D9D9D9", "", "waiting for a peer"),
 }
 LANES = ("compute", "comm")
 ARROW_LIMIT = 400  # more messages than this are drawn as plain lines (SVG arrows get slow)
@@ -82,28 +83,38 @@ def _bars(timeline, show_legend=True, label_min=0.03):
     """The traces of one timeline: one WebGL trace per op, and one trace of labels."""
     spans = [s for s in timeline.spans if s.kind in ("compute", "comm", "idle")]
     total = timeline.duration or 1.0
+    ready = ready_times(spans, timeline.world_size)
     by_op: dict[str, list] = {}
+    moving_from = {}  # where each span's own bar (and label) starts
     for s in spans:
-        by_op.setdefault(op_of(s) if op_of(s) in OPS else s.kind, []).append(s)
+        op = op_of(s) if op_of(s) in OPS else s.kind
+        t = min(max(ready.get(id(s), s.start), s.start), s.end)
+        if t > s.start:  # the part before the last peer arrived is waiting, drawn apart from the transfer
+            by_op.setdefault("waiting" + ("/half" if op_of(s) in HALF else ""), []).append((s, s.start, t))
+        by_op.setdefault(op, []).append((s, t, s.end))
+        moving_from[id(s)] = t
     traces = []
-    for op, group in by_op.items():
+    for key, group in by_op.items():
+        op, half = key.split("/")[0], key.endswith("/half") or key in HALF
         colour, _, name = OPS[op]
         xs, ys, texts = [], [], []
-        for s in group:
+        for s, start, end in group:
             y = span_y(s)
-            mid = (s.start + s.end) / 2
-            hover = (f"<b>{s.name}</b><br>rank {s.rank}, {name}<br>start {s.start * 1e3:.3f} ms<br>"
-                     f"duration {s.duration * 1e3:.3f} ms" + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes else ""))
-            xs += [s.start * 1e3, mid * 1e3, s.end * 1e3, None]
+            what = f"waiting for a peer in {s.name}" if op == "waiting" else s.name
+            hover = (f"<b>{what}</b><br>rank {s.rank}, {OPS.get(op_of(s), OPS['comm'])[2]}<br>"
+                     f"start {start * 1e3:.3f} ms<br>duration {(end - start) * 1e3:.3f} ms"
+                     + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes and op != "waiting" else ""))
+            xs += [start * 1e3, (start + end) / 2 * 1e3, end * 1e3, None]
             ys += [y, y, y, None]
             texts += [hover, hover, hover, None]
-        traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=name, legendgroup=op, showlegend=show_legend,
-                                   line=dict(color=colour, width=7 if op in HALF else 14), text=texts, hovertemplate="%{text}<extra></extra>",
-                                   connectgaps=False))
+        first = key == op or op not in by_op  # one legend entry per op
+        traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=name, legendgroup=op, showlegend=show_legend and first,
+                                   line=dict(color=colour, width=7 if half else 14), text=texts,
+                                   hovertemplate="%{text}<extra></extra>", connectgaps=False))
     wide = [s for s in spans if s.duration >= label_min * total and s.depth == 0 and op_of(s) not in HALF and label(s)]
     if wide:
         traces.append(go.Scattergl(
-            x=[(s.start + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
+            x=[(moving_from[id(s)] + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
             mode="text", text=[label(s) for s in wide], textfont=dict(color="white", size=10), hoverinfo="skip",
             showlegend=False, name="labels"))
     traces += _arrows(timeline, show_legend)
