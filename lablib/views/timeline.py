@@ -1,6 +1,7 @@
 """Drawing timelines: per rank a compute lane and a communication lane, a colour per operation, short
 labels on wide bars, messages as arrows from send to matching recv, and the overlap numbers under the
-chart. Idle is what is not drawn: the gaps.
+chart. Idle is what is not drawn: the gaps. The part of a collective or a recv spent before the last
+peer arrived is drawn light grey ("waiting for a peer"), apart from the transfer.
 
 Bars are thick WebGL line segments (``scattergl``), not shapes or SVG bars, so a 10,000-span pipeline
 run still draws and zooms at once (benchmarks/bench_timeline.py measures it). Colours are the
