@@ -123,3 +123,33 @@ def test_shared_pool_is_reused_and_restarted_for_another_size():
         assert b.run(dist.get_world_size) == [3, 3, 3]
     finally:
         lablib.cluster().close()
+
+
+def test_shared_pool_options_are_the_ones_asked_for_now():
+    try:
+        a = lablib.cluster(2, timeout=5, quiet=True)
+        assert lablib.cluster() is a and a.timeout == 5  # no arguments: the pool as it is
+        b = lablib.cluster(2, quiet=True)  # the default timeout again, not the earlier 5 s
+        assert b is not a and b.timeout == 10.0
+        assert lablib.cluster(2, debug=True) is b and b.debug
+        assert lablib.cluster(2) is b and not b.debug
+    finally:
+        lablib.cluster().close()
+
+
+def test_socket_folders_of_killed_notebooks_are_removed():
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Path(tempfile.gettempdir()) / f"lablib-{int(dead.stdout)}-left"
+    stale.mkdir()
+    (stale / "sock").write_text("")
+    mine = Path(tempfile.mkdtemp(prefix=f"lablib-{os.getpid()}-"))  # a live process's folder stays
+    try:
+        with Cluster(2, backend="gloo", quiet=True):
+            assert not stale.exists() and mine.exists()
+    finally:
+        mine.rmdir()

@@ -248,3 +248,18 @@ def test_two_pools_on_one_machine_do_not_clash():
     assert [p.returncode for p in procs] == [0, 0]
     assert all(o[0] == "[3.0, 3.0" for o in outs)
     assert outs[0][1] != outs[1][1]  # each hosts its own store, on a port the OS picked
+
+
+def test_an_exception_whose_str_fails_is_still_reported(fragile):
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    def raise_it():
+        if dist.get_rank() == 0:
+            raise Unprintable()
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankError, match=r"rank 0 of \d failed: Unprintable: <str\(\) of the Unprintable failed"):
+        fragile.run(raise_it)
+    _healthy(fragile)

@@ -79,6 +79,16 @@ def test_stop_button_interrupts_every_rank_and_the_next_run_works(kernel):
     assert reply["status"] == "ok" and "[5, 5]" in out
 
 
+def test_a_failed_check_shows_its_message_not_lablib_source(kernel):
+    km, kc = kernel
+    reply, *_ = _execute(kc, "from lablib.checks.lab01 import check_flat_shard\n"
+                             "check_flat_shard(lambda flat, n, rank: flat.chunk(n)[rank])")
+    assert reply["status"] == "error" and reply["ename"] == "CheckFailed"
+    shown = "\n".join(reply["traceback"])
+    assert "Task 1.1" in shown and "pad first, then slice" in shown
+    assert "lablib/checks" not in shown and "call_local(" not in shown  # no frames of the check itself
+
+
 def test_a_killed_kernel_leaves_no_rank_behind(kernel):
     km, kc = kernel
     reply, out, *_ = _execute(kc, "print(*lablib.cluster(2).pids())")

@@ -16,7 +16,10 @@ from ..pool import Cluster, RankError
 
 
 class CheckFailed(AssertionError):
-    pass
+    def _render_traceback_(self):
+        # IPython shows these lines instead of a traceback: what differed and why, not lablib's own
+        # source lines (the learner's frames on the ranks are quoted in the message itself).
+        return [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
 
 
 def not_done(task: str, what: str) -> CheckFailed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import glob
 import linecache
 import os
 import queue
@@ -122,7 +123,8 @@ class Cluster:
         self._timeline: Timeline | None = None
         self._closed = False
         self._authkey = secrets.token_bytes(16)
-        self._tmpdir = tempfile.TemporaryDirectory(prefix="lablib-")
+        _remove_stale_folders()
+        self._tmpdir = tempfile.TemporaryDirectory(prefix=f"lablib-{os.getpid()}-")
         self._listener = Listener(address=None if sys.platform == "win32" else
                                   os.path.join(self._tmpdir.name, "sock"), authkey=self._authkey)
         import torch.distributed as dist
@@ -520,6 +522,23 @@ def _noop():
     return None
 
 
+def _remove_stale_folders():
+    """Remove the socket folders of pools whose notebook was killed (SIGKILL skips every cleanup): each
+    folder is named after the process that made it."""
+    import shutil
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "lablib-*-*")):
+        pid = os.path.basename(path).split("-")[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # someone else's live process
+            pass
+
+
 def _cell_sources():
     """Source lines of notebook cells (not files on disk), so remote tracebacks can quote them."""
     return {f: e[2] for f, e in list(linecache.cache.items())
@@ -533,11 +552,15 @@ _shared: Cluster | None = None
 def cluster(world_size: int | None = None, **kwargs) -> Cluster:
     """The notebook's shared pool: reused by every cell, restarted when asked for another size/options.
 
-    ``lablib.cluster(4)`` gives 4 ranks; ``lablib.cluster()`` gives the current pool (2 ranks if none).
+    ``lablib.cluster(4)`` gives 4 ranks with the default options (an option given to an earlier call is
+    not kept: ``lablib.cluster(4)`` after ``lablib.cluster(4, timeout=5)`` has the 10 s timeout again);
+    ``lablib.cluster()`` gives the current pool as it is (2 ranks if none).
     """
     global _shared
     c = _shared
     want = world_size if world_size is not None else (c.world_size if c and not c._closed else 2)
+    if world_size is not None:
+        kwargs = {**_DEFAULTS, **kwargs}
     if c is not None and not c._closed and c.world_size == want and _matches(c, kwargs):
         return c
     if c is not None:
@@ -545,6 +568,9 @@ def cluster(world_size: int | None = None, **kwargs) -> Cluster:
     _shared = None
     _shared = Cluster(want, **kwargs)
     return _shared
+
+
+_DEFAULTS = {"timeout": 10.0, "threads": None, "debug": False}
 
 
 def _matches(c, kwargs):
@@ -556,6 +582,9 @@ def _matches(c, kwargs):
                 return False
         elif key == "debug":
             c.debug = value
+        elif key == "threads" and value is None:
+            if c.threads != max(1, (os.cpu_count() or 1) // c.world_size):
+                return False
         elif getattr(c, key, None) != value:
             return False
     return True

@@ -160,7 +160,11 @@ def describe(exc: BaseException) -> P.Failure:
         blob = cloudpickle.dumps(exc)
     except Exception:
         blob = None
-    return P.Failure(type(exc).__name__, str(exc), "".join(te.format()), blob, op,
+    try:
+        message = str(exc)
+    except Exception as inner:  # an exception whose __str__ itself fails must still be reported
+        message = f"<str() of the {type(exc).__name__} failed: {type(inner).__name__}: {inner}>"
+    return P.Failure(type(exc).__name__, message, "".join(te.format()), blob, op,
                      isinstance(exc, KeyboardInterrupt), time.perf_counter_ns())
 
 
