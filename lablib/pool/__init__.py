@@ -1,9 +1,12 @@
 """The rank pool: persistent worker processes that run a notebook's functions as real ranks.
 
-cluster.py (the parent side), worker.py (one rank), protocol.py (the messages between them, and how
-functions and results travel), failures.py (how a failed job is reported).
+cluster.py (the parent side: processes, output, clocks), job.py (one job in flight, the stop button),
+worker.py (one rank), protocol.py (the messages between them, and how functions and results travel),
+failures.py (how a failed job is reported), backend.py (NCCL or Gloo), shared.py (``lablib.cluster``).
 """
-from .cluster import Cluster, cluster, resolve_backend
+from .backend import resolve_backend
+from .cluster import Cluster
 from .failures import RankError
+from .shared import cluster
 
 __all__ = ["Cluster", "RankError", "cluster", "resolve_backend"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import collections
 import glob
-import linecache
 import os
 import queue
 import secrets
@@ -40,46 +39,13 @@ from multiprocessing.connection import Listener
 from ..paths import ROOT
 from ..timeline import Timeline
 from . import protocol as P
-from .failures import RankError, category, failure_message, signal_name
+from .backend import describe_backend, resolve_backend
+from .failures import signal_name
+from .job import LOST, Job, StopButton, cell_sources, print_output
 
-BACKENDS = ("auto", "gloo", "nccl")
 START_TIMEOUT = 120.0  # seconds for a new worker to import torch and say hello
-_STOP_GRACE = 0.2      # after a rank fails, how long the others get to fail on their own (lost peer)
-_KILL_GRACE = 0.6      # after SIGINT, how long a rank gets to stop before SIGKILL
-_LATE_GRACE = 0.75     # past the collective timeout, so a blocked collective reports its own timeout first
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-_LOST = object()       # event: a rank's connection closed (it exited or was killed)
 _NOISE = ("USDT:",)    # C-level lines a rank prints that mean nothing to a learner (torch.profiler's start/stop)
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_backend(backend: str, world_size: int) -> str:
-    """'auto' -> 'nccl' when there is one GPU per rank, else 'gloo'. Raises ValueError on bad input."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: use 'auto' (NCCL with one GPU per rank, else Gloo), "
-                         f"'gloo' (CPU) or 'nccl' (GPUs)")
-    gpus = _gpu_count()
-    if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but this machine has "
-                         f"{gpus} GPU(s). Use backend='gloo' (CPU) or at most {gpus} ranks.")
-    return backend
-
-
-def _describe_backend(backend, world_size, threads):
-    if backend == "nccl":
-        return f"NCCL on {world_size} GPU(s), one per rank"
-    gpus = _gpu_count()
-    why = "no GPU found" if gpus == 0 else f"{gpus} GPU(s) for {world_size} ranks: NCCL needs one per rank"
-    return f"Gloo on CPU ({why}), {threads} torch thread(s) per rank"
 
 
 class _Worker:
@@ -142,7 +108,7 @@ class Cluster:
             raise
         self.start_seconds = time.perf_counter() - t0
         if not quiet:
-            print(f"lablib: {world_size} rank(s), {_describe_backend(self.backend, world_size, self.threads)}; "
+            print(f"lablib: {world_size} rank(s), {describe_backend(self.backend, world_size, self.threads)}; "
                   f"ready in {self.start_seconds:.1f} s")
 
     # -- public API ------------------------------------------------------------------------------
@@ -165,7 +131,7 @@ class Cluster:
             raise RuntimeError("this Cluster is closed; create a new one (or use lablib.cluster(n))")
         if not callable(fn):
             raise TypeError(f"run() needs a function to run on every rank, got {type(fn).__name__}")
-        with _StopButton() as stop:
+        with StopButton() as stop:
             try:
                 payload = P.ship((fn, args, kwargs))
             except Exception as exc:
@@ -176,14 +142,14 @@ class Cluster:
             if stop.presses:  # pressed before the job was sent: nothing to stop on the ranks
                 raise KeyboardInterrupt
             self._job_id += 1
-            msg = P.encode(P.Job(self._job_id, self._gen, self._debug, payload, _cell_sources()))
+            msg = P.encode(P.Job(self._job_id, self._gen, self._debug, payload, cell_sources()))
             origin = time.perf_counter_ns()
             for w in self._workers.values():
                 try:
                     w.conn.send_bytes(msg)
                 except OSError:
                     pass  # its death is reported by the reader thread
-            return self._collect(_JobState(self._job_id, self.world_size), stop, origin, getattr(fn, "__name__", "job"))
+            return self._collect(Job(self, self._job_id), stop, origin, getattr(fn, "__name__", "job"))
 
     def timeline(self) -> Timeline:
         """The merged per-rank timeline of the last job."""
@@ -299,7 +265,7 @@ class Cluster:
             try:
                 msg = P.decode(conn.recv_bytes())
             except (EOFError, OSError):
-                self._events.put((w, _LOST))
+                self._events.put((w, LOST))
                 return
             self._events.put((w, msg))
 
@@ -337,8 +303,8 @@ class Cluster:
     def _handle_idle(self, w, msg):
         """An event between jobs: print output; restart a rank that exited."""
         if isinstance(msg, P.Out):
-            _print(w.rank, msg)
-        elif msg is _LOST and w is self._workers.get(w.rank) and not w.killed and not self._closed:
+            print_output(w.rank, msg)
+        elif msg is LOST and w is self._workers.get(w.rank) and not w.killed and not self._closed:
             w.proc.wait()
             print(f"lablib: rank {w.rank} exited between jobs ({signal_name(w.proc.returncode)}); restarting it",
                   file=sys.stderr)
@@ -356,22 +322,22 @@ class Cluster:
                     return
 
     # -- one job ---------------------------------------------------------------------------------
-    def _collect(self, job: "_JobState", stop: "_StopButton", origin, title):
+    def _collect(self, job: Job, stop: StopButton, origin, title):
         """Wait for every rank's ``Done`` (or stop the ranks that do not finish); return the results."""
         pressed = 0
         while job.pending:
             try:
                 try:
                     w, msg = self._events.get(timeout=0.02)
-                    self._on_event(job, w, msg)
+                    job.on_event(w, msg)
                 except queue.Empty:
                     pass
-                self._enforce_deadlines(job, time.monotonic())
+                job.enforce_deadlines(time.monotonic())
             except KeyboardInterrupt:  # where the stop button could not be caught (run from another thread)
                 stop.presses += 1
             if stop.presses > pressed:
                 pressed = stop.presses
-                if not self._stop_pressed(job):
+                if not job.stop_pressed():
                     break
         self._drain_output(0.0)
         for rank in job.killed:
@@ -385,80 +351,7 @@ class Cluster:
             print(f"lablib: interrupted; stopped ranks {sorted(set(job.failures) | job.killed)}. The cluster is ready "
                   "for the next run.", file=sys.stderr)
             raise KeyboardInterrupt
-        return self._results(job)
-
-    def _stop_pressed(self, job) -> bool:
-        """First press: SIGINT to the ranks still running. Second: kill them. False: stop waiting."""
-        if job.interrupted:
-            for rank in job.pending:
-                self._kill(rank)
-                job.killed.add(rank)
-            job.pending.clear()
-            return False
-        job.interrupted, job.stop_reason = True, "interrupted"
-        self._interrupt(job.pending)
-        job.stop_sent = time.monotonic()
-        return True
-
-    def _on_event(self, job, w, msg):
-        rank = w.rank
-        if isinstance(msg, P.Out):
-            _print(rank, msg)
-        elif isinstance(msg, P.Done) and msg.job_id == job.job_id and rank in job.pending:
-            job.pending.discard(rank)
-            job.raw_spans[rank] = msg.spans
-            if msg.failure is None:
-                job.results[rank] = msg.value
-                job.first_ok = job.first_ok or time.monotonic()
-                if not msg.pg_alive:
-                    self._gen += 1
-            else:
-                job.failures[rank] = msg.failure
-                job.first_error = job.first_error or time.monotonic()
-        elif msg is _LOST and rank in job.pending and w is self._workers.get(rank):
-            w.proc.wait()
-            for reader in w.readers:  # its pipes end with it: read to the end, for its last words
-                reader.join(1.0)
-            job.pending.discard(rank)
-            job.killed.add(rank)
-            said = "; its last output:\n    " + "\n    ".join(w.last_words) if w.last_words else ""
-            job.failures[rank] = P.Failure("WorkerDied", f"rank {rank} died ({signal_name(w.proc.returncode)}){said}",
-                                           time=time.perf_counter_ns())
-            job.first_error = job.first_error or time.monotonic()
-
-    def _enforce_deadlines(self, job, now):
-        """Stop the ranks still running once another failed or finished long ago; kill the deaf ones."""
-        if job.pending and job.stop_sent is None:
-            if job.first_error is not None and now - job.first_error > _STOP_GRACE:
-                job.stop_reason = "another rank failed"
-            elif job.first_ok is not None and now - job.first_ok > self.timeout + _LATE_GRACE:
-                job.stop_reason = f"still running {self.timeout:g} s after rank {min(job.results)} finished"
-            if job.stop_reason:
-                self._interrupt(job.pending)
-                job.stop_sent = now
-        if job.pending and job.stop_sent is not None and now - job.stop_sent > _KILL_GRACE:
-            for rank in job.pending:
-                self._kill(rank)
-                job.killed.add(rank)
-                job.failures.setdefault(rank, P.Failure(
-                    "Stuck", "did not respond to SIGINT (stuck inside a C++ call, usually a collective waiting for "
-                    "a peer); the process was killed and restarted", interrupted=True, time=time.perf_counter_ns()))
-            job.pending.clear()
-
-    def _results(self, job):
-        values = {}
-        for rank, blob in job.results.items():
-            try:
-                values[rank] = P.unship(blob)
-            except Exception as exc:
-                job.failures[rank] = P.Failure(type(exc).__name__, f"its result could not be unpickled here: {exc}")
-        if job.failures:
-            ordered = [values.get(r) for r in range(self.world_size)]
-            message = failure_message(job.failures, set(values) - set(job.failures), job.stop_reason,
-                                      self.world_size, self.timeout)
-            stopped = [r for r, f in job.failures.items() if category(f) in ("stopped", "Stuck")]
-            raise RankError(message, job.failures, stopped, ordered)
-        return [values[r] for r in range(self.world_size)]
+        return job.outcome()
 
     def _interrupt(self, ranks):
         for rank in ranks:
@@ -475,47 +368,6 @@ class Cluster:
             w.proc.wait(5)
         except (ProcessLookupError, OSError, subprocess.TimeoutExpired):
             pass
-
-
-class _StopButton:
-    """While a job runs, SIGINT (the stop button, Ctrl-C) is counted here rather than raised wherever
-    the main thread happens to be: a KeyboardInterrupt raised inside a finalizer or a library's
-    ``except`` is lost, and with it the stop button, leaving the cell waiting on ranks that run on.
-    The job's loop reads the count; ``_collect`` raises KeyboardInterrupt once the ranks are stopped."""
-
-    def __init__(self):
-        self.presses, self._installed, self._previous = 0, False, None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.getsignal(signal.SIGINT)
-            signal.signal(signal.SIGINT, self._press)
-            self._installed = True
-        return self
-
-    def _press(self, signum, frame):
-        self.presses += 1
-
-    def __exit__(self, *exc):
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
-
-
-class _JobState:
-    """What the parent knows about the job in flight."""
-
-    def __init__(self, job_id: int, world_size: int):
-        self.job_id = job_id
-        self.pending = set(range(world_size))
-        self.results, self.failures, self.raw_spans, self.killed = {}, {}, {}, set()
-        self.first_ok = self.first_error = self.stop_sent = None
-        self.interrupted, self.stop_reason = False, ""
-
-
-def _print(rank, out: P.Out):
-    stream = sys.stderr if out.stream == "stderr" else sys.stdout
-    stream.write("".join(f"[rank {rank}] {line}" for line in out.text.splitlines(keepends=True)))
-    stream.flush()
 
 
 def _noop():
@@ -537,57 +389,6 @@ def _remove_stale_folders():
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:  # someone else's live process
             pass
-
-
-def _cell_sources():
-    """Source lines of notebook cells (not files on disk), so remote tracebacks can quote them."""
-    return {f: e[2] for f, e in list(linecache.cache.items())
-            if len(e) == 4 and e[2] and ("ipykernel" in f or f.startswith("<")) and not os.path.exists(f)}
-
-
-# -- the notebook-wide pool ------------------------------------------------------------------------
-_shared: Cluster | None = None
-
-
-def cluster(world_size: int | None = None, **kwargs) -> Cluster:
-    """The notebook's shared pool: reused by every cell, restarted when asked for another size/options.
-
-    ``lablib.cluster(4)`` gives 4 ranks with the default options (an option given to an earlier call is
-    not kept: ``lablib.cluster(4)`` after ``lablib.cluster(4, timeout=5)`` has the 10 s timeout again);
-    ``lablib.cluster()`` gives the current pool as it is (2 ranks if none).
-    """
-    global _shared
-    c = _shared
-    want = world_size if world_size is not None else (c.world_size if c and not c._closed else 2)
-    if world_size is not None:
-        kwargs = {**_DEFAULTS, **kwargs}
-    if c is not None and not c._closed and c.world_size == want and _matches(c, kwargs):
-        return c
-    if c is not None:
-        c.close()
-    _shared = None
-    _shared = Cluster(want, **kwargs)
-    return _shared
-
-
-_DEFAULTS = {"timeout": 10.0, "threads": None, "debug": False}
-
-
-def _matches(c, kwargs):
-    for key, value in kwargs.items():
-        if key == "quiet":
-            continue
-        if key == "backend":
-            if value != "auto" and value != c.backend:
-                return False
-        elif key == "debug":
-            c.debug = value
-        elif key == "threads" and value is None:
-            if c.threads != max(1, (os.cpu_count() or 1) // c.world_size):
-                return False
-        elif getattr(c, key, None) != value:
-            return False
-    return True
 
 
 @atexit.register

@@ -1,0 +1,49 @@
+"""The notebook's shared pool: ``lablib.cluster(n)``, reused by every cell."""
+from __future__ import annotations
+
+import os
+
+from .cluster import Cluster
+
+_shared: Cluster | None = None
+
+
+def cluster(world_size: int | None = None, **kwargs) -> Cluster:
+    """The notebook's shared pool: reused by every cell, restarted when asked for another size/options.
+
+    ``lablib.cluster(4)`` gives 4 ranks with the default options (an option given to an earlier call is
+    not kept: ``lablib.cluster(4)`` after ``lablib.cluster(4, timeout=5)`` has the 10 s timeout again);
+    ``lablib.cluster()`` gives the current pool as it is (2 ranks if none).
+    """
+    global _shared
+    c = _shared
+    want = world_size if world_size is not None else (c.world_size if c and not c._closed else 2)
+    if world_size is not None:
+        kwargs = {**_DEFAULTS, **kwargs}
+    if c is not None and not c._closed and c.world_size == want and _matches(c, kwargs):
+        return c
+    if c is not None:
+        c.close()
+    _shared = None
+    _shared = Cluster(want, **kwargs)
+    return _shared
+
+
+_DEFAULTS = {"timeout": 10.0, "threads": None, "debug": False}
+
+
+def _matches(c, kwargs):
+    for key, value in kwargs.items():
+        if key == "quiet":
+            continue
+        if key == "backend":
+            if value != "auto" and value != c.backend:
+                return False
+        elif key == "debug":
+            c.debug = value
+        elif key == "threads" and value is None:
+            if c.threads != max(1, (os.cpu_count() or 1) // c.world_size):
+                return False
+        elif getattr(c, key, None) != value:
+            return False
+    return True
