@@ -2,11 +2,9 @@
 
     python -m lablib.bench [--quick] [--json FILE] [--only P1,P3] [--readme]      (or ./lab.sh bench ...)
 
-For each claim: the course's number, the number of what it is compared with (the anchor), measured in
-the same run, their ratio, the median and min-max over repetitions, and the target. ``--quick`` (about
-a minute on 2 cores) leaves out the whole-course runs (P2, P8) and repeats less; the full run takes
-about 8 minutes. ``--readme`` writes the table into README.md's performance section. On a machine with
-a GPU per rank the ranks use NCCL, so the same command measures NCCL.
+Per claim: the course's number and its anchor's, measured in the same run, their ratio, median and
+min-max over repetitions, and the target. ``--quick`` (about a minute on 2 cores) leaves out the
+whole-course runs (P2, P8); the full run takes about 8 minutes. With a GPU per rank it measures NCCL.
 """
 from __future__ import annotations
 
@@ -45,9 +43,8 @@ class Row:
 
     @property
     def ratio(self) -> float | None:
-        if self.ours and self.anchor and statistics.median(self.anchor):
-            return statistics.median(self.ours) / statistics.median(self.anchor)
-        return None
+        ok = self.ours and self.anchor and statistics.median(self.anchor)
+        return statistics.median(self.ours) / statistics.median(self.anchor) if ok else None
 
 
 @dataclass
