@@ -10,6 +10,21 @@ CHROMIUM = next((p for p in (os.environ.get("LABLIB_CHROMIUM"), shutil.which("ch
 # WebGL (the timeline's bars) in software: no GPU is needed or used.
 FLAGS = ["--no-sandbox", "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--use-angle=swiftshader", "--enable-unsafe-swiftshader"]
+
+
+def require_chromium():
+    """Skip the calling test module when no Chromium is installed, unless LABLIB_REQUIRE_BROWSER=1 (as
+    in CI), where a missing browser is a failure."""
+    import pytest
+
+    if CHROMIUM is None:
+        if os.environ.get("LABLIB_REQUIRE_BROWSER") == "1":
+            raise RuntimeError("LABLIB_REQUIRE_BROWSER=1 but no Chromium was found (Debian: apt-get install chromium)")
+        pytest.skip("no Chromium found: install it (Debian/Ubuntu: apt-get install chromium) to run the browser tests",
+                    allow_module_level=True)
+    pytest.importorskip("playwright.sync_api")
+
+
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 
 _PAGE = """<!doctype html><html><head><meta charset="utf-8"><script>{js}</script></head>

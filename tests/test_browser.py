@@ -5,7 +5,6 @@ everything again and sees the answer restored. Skipped when no Chromium is insta
 LABLIB_REQUIRE_BROWSER=1 (as in CI), where a missing browser is a failure."""
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,17 +14,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from render import CHROMIUM, require_chromium
 
 from lablib.course.notebook import SOURCE_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = next((p for p in (os.environ.get("LABLIB_CHROMIUM"), shutil.which("chromium"),
-                             shutil.which("chromium-browser"), shutil.which("google-chrome")) if p), None)
-if CHROMIUM is None:
-    if os.environ.get("LABLIB_REQUIRE_BROWSER") == "1":
-        raise RuntimeError("LABLIB_REQUIRE_BROWSER=1 but no Chromium was found (Debian: apt-get install chromium)")
-    pytest.skip("no Chromium found: install it (Debian/Ubuntu: apt-get install chromium) to run the browser test",
-                allow_module_level=True)
+require_chromium()
 playwright = pytest.importorskip("playwright.sync_api")
 
 TOKEN = "lablib-browser-test"

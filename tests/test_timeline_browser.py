@@ -1,20 +1,14 @@
 """Timelines drawn by a real Chromium: lab 02's ring chart must show its send and recv bars and its
 messages (it once drew idle bars over them and looked blank). Skipped without Chromium unless
 LABLIB_REQUIRE_BROWSER=1 (as in CI)."""
-import os
-
 import pytest
 import torch
-from render import CHROMIUM, Browser, count_colour
+from render import Browser, count_colour, require_chromium
 
 from lablib.strategies.ring import ring_all_gather
 from lablib.views.timeline import OPS
 
-if CHROMIUM is None:
-    if os.environ.get("LABLIB_REQUIRE_BROWSER") == "1":
-        raise RuntimeError("LABLIB_REQUIRE_BROWSER=1 but no Chromium was found (Debian: apt-get install chromium)")
-    pytest.skip("no Chromium found (Debian/Ubuntu: apt-get install chromium)", allow_module_level=True)
-pytest.importorskip("playwright.sync_api")
+require_chromium()
 
 
 @pytest.fixture(scope="module")
