@@ -1,0 +1,438 @@
+"""Running untrusted code (a learner's exercises, during ``lablib grade``) in a box made by bubblewrap.
+
+What the box sees: the system directories Python needs (/usr, /bin, /sbin, /lib*, /etc, less the usual
+secrets in /etc), the base interpreter (``sys.base_prefix``), the paths the caller lists, read-only at
+their own paths, overlays (a host directory shown read-only at another path), and the work dir,
+read-write at its own path. /tmp and /dev/shm are private and start empty; every other write fails.
+It has no network but loopback, its own process ids, a clean environment, and runs as user 65534
+(nobody) with no capabilities; outside, its files and processes belong to the grader's user. When the
+command ends or runs out of time, everything it started is killed before ``run`` returns.
+
+Limits: the wall time always. Memory and processes (threads count) through a child cgroup (v2, or v1's
+memory and pids hierarchies) where this process may make one; else memory per process with RLIMIT_AS
+and no process limit, as RLIMIT_NPROC does not bind root and counts all of a user's processes.
+``Result.enforced`` lists what held.
+
+Without a working bwrap the command runs unboxed, in its own session, with the same limits, and the
+result carries a warning for the report. LABLIB_SANDBOX=off forces that; LABLIB_SANDBOX=require makes
+a missing sandbox an error (SandboxError).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+OUTPUT_CHARS = 20000
+BOX_USER = 65534
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# Outside, the box's user is the grader's: when that is root, root-only files in the box are readable.
+SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh", "/etc/ssl/private")
+# How long killed processes may take to go; longer means the kernel is stuck (e.g. on a dead disk).
+_GONE_S = 30.0
+_EMPTY: Mapping = MappingProxyType({})
+# Joins the cgroups listed before "--", then runs the rest: the command starts inside its limits.
+_JOIN = 'for f; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; shift; exec "$@"'
+
+
+class SandboxError(RuntimeError):
+    """No box where one is required (LABLIB_SANDBOX=require), or a run asked for something impossible."""
+
+
+@dataclass
+class Limits:
+    """What one run may use; past a limit it is killed (``Result.reason`` says which)."""
+    seconds: float                      # total wall time
+    memory_bytes: int | None = 8 << 30  # all processes together (cgroup), or each one (rlimit)
+    processes: int | None = 256         # processes and threads together; only with a cgroup
+
+
+@dataclass
+class Result:
+    """How a run ended, its output, and what held it: put ``warning`` in the report when it is set."""
+    returncode: int | None    # None when killed by the timeout; -N when killed by signal N
+    output: str               # stdout and stderr, the last 20000 characters
+    reason: str               # "" when it exited by itself, else e.g. "timed out after 30 s"
+    boxed: bool
+    enforced: tuple[str, ...]  # e.g. ("pid namespace", "no network", "memory 8 GiB (cgroup v2)")
+    warning: str = ""         # for the report when the command ran unboxed
+
+
+_probe: tuple[bool, str] | None = None
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when bubblewrap can make a box here, else (False, why not). The first call starts a box
+    that runs ``true`` (the same namespaces and mounts as a real one); the answer is kept."""
+    global _probe
+    if _probe is None:
+        _probe = _try_bwrap()
+    return _probe
+
+
+def _try_bwrap() -> tuple[bool, str]:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return False, "bwrap is not installed"
+    try:
+        done = subprocess.run([*_box_args(bwrap, [], {}, Path("/")), "true"], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return False, "bwrap did not start a box within 60 s"
+    if done.returncode != 0:
+        said = (done.stderr + done.stdout).strip() or f"exit status {done.returncode}"
+        return False, f"bwrap cannot make a box here ({said})"
+    return True, ""
+
+
+def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overlays: Mapping[Path, Path] = _EMPTY,
+        env: Mapping[str, str] = _EMPTY, limits: Limits, cwd: Path | None = None) -> Result:
+    """Run ``argv`` in a box and wait for it, at most ``limits.seconds``.
+
+    ``workdir`` is the only writable host directory (at its own path; HOME points at it), ``readonly``
+    paths are seen at their own paths, ``overlays`` maps a path in the box to the host directory shown
+    there. The environment is ``env`` plus PATH, HOME and LANG unless ``env`` sets them. ``cwd``
+    (default: the work dir) is a path as the box sees it."""
+    mode = os.environ.get("LABLIB_SANDBOX") or "auto"
+    if mode not in ("auto", "off", "require"):
+        raise SandboxError(f"LABLIB_SANDBOX={mode} is not understood: set it to off or require, or unset it")
+    boxed, why = (False, "LABLIB_SANDBOX=off") if mode == "off" else available()
+    if not boxed and mode == "require":
+        raise SandboxError(f"LABLIB_SANDBOX=require, but there is no sandbox: {why}. "
+                           "Install bubblewrap (apt-get install bubblewrap).")
+    workdir = Path(workdir).absolute()
+    for path in [workdir, *readonly, *overlays.values()]:
+        if not Path(path).exists():
+            raise SandboxError(f"{path} does not exist, so it cannot be shown in the box")
+    cwd = Path(cwd).absolute() if cwd else workdir
+    env = {"PATH": DEFAULT_PATH, "HOME": str(workdir), "LANG": "C.UTF-8", **env}
+
+    cgroup = _Cgroup.make(limits)
+    try:
+        prefix, enforced = _limit_prefix(cgroup, limits)
+        if boxed:
+            info = os.pipe()
+            binds = [("--ro-bind", p, p) for p in _interpreter_dirs()]
+            binds += [("--ro-bind", p, p) for path in readonly for p in _as_given_and_real(path)]
+            binds += [("--ro-bind", Path(src), Path(dest).absolute()) for dest, src in overlays.items()]
+            binds += [("--bind", p, p) for p in _as_given_and_real(workdir)]
+            command = [*prefix, *_box_args(shutil.which("bwrap"), binds, env, cwd, info_fd=info[1]), *argv]
+            enforced = ["filesystem: only the given paths", "pid namespace", "no network",
+                        f"time {limits.seconds:g} s", *enforced]
+            returncode, output, timed_out = _supervise(command, env, None, limits.seconds, info)
+            if returncode is not None and 128 < returncode <= 128 + 64:
+                returncode = 128 - returncode  # bwrap reports signal N as 128 + N; subprocess says -N
+        else:
+            enforced = [f"time {limits.seconds:g} s (process group)", *enforced]
+            returncode, output, timed_out = _supervise([*prefix, *argv], env, cwd, limits.seconds, None)
+        out_of_memory = cgroup is not None and cgroup.oom_kills() > 0
+    finally:
+        if cgroup:
+            cgroup.remove()
+
+    if timed_out:
+        returncode, reason = None, f"timed out after {limits.seconds:g} s"
+    elif out_of_memory and returncode != 0:
+        reason = f"killed: out of memory ({_size(limits.memory_bytes)} limit)"
+    elif returncode < 0:
+        reason = f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+    else:
+        reason = ""
+    warning = "" if boxed else (
+        f"grading ran WITHOUT a sandbox: {why}. The learner code could read and change every file of the "
+        "grader's user, and use the network. "
+        + ("Unset LABLIB_SANDBOX to use bubblewrap." if mode == "off" else
+           "Install bubblewrap (apt-get install bubblewrap)."))
+    return Result(returncode, output, reason, boxed, tuple(enforced), warning)
+
+
+def _limit_prefix(cgroup: _Cgroup | None, limits: Limits) -> tuple[list[str], list[str]]:
+    """What to run before the command (each part execs the next, in one process) to set its limits,
+    and the limits that hold."""
+    prefix, enforced = [], []
+    setpriv = shutil.which("setpriv")
+    if setpriv:  # the kernel kills the run when the grader dies
+        prefix += [setpriv, "--pdeathsig", "KILL", "--"]
+    prlimit = shutil.which("prlimit")
+    if cgroup:
+        prefix += ["/bin/sh", "-c", _JOIN, "sh", *cgroup.procs_files(), "--"]
+        enforced += cgroup.enforced
+    elif limits.memory_bytes and prlimit:
+        prefix += [prlimit, f"--as={limits.memory_bytes}", "--"]
+        enforced.append(f"memory {_size(limits.memory_bytes)} per process (rlimit)")
+    return prefix, enforced
+
+
+def _box_args(bwrap: str, binds: list[tuple[str, Path, Path]], env: Mapping[str, str], cwd: Path,
+              info_fd: int | None = None) -> list[str]:
+    """bwrap's command line up to the command: namespaces, then the mounts in order (a later mount covers
+    an earlier one), then the root made read-only."""
+    args = [bwrap, "--unshare-user", "--uid", str(BOX_USER), "--gid", str(BOX_USER), "--unshare-pid",
+            "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--clearenv"]
+    if info_fd is not None:
+        args += ["--info-fd", str(info_fd)]
+    for name, value in env.items():
+        args += ["--setenv", name, value]
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in SECRETS:
+        if os.path.isdir(path) and not os.path.islink(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.isfile(path):
+            args += ["--ro-bind", "/dev/null", path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # --dev has a private /dev/shm
+    for flag, source, dest in binds:
+        args += [flag, str(source), str(dest)]
+    return args + ["--remount-ro", "/", "--chdir", str(cwd), "--"]
+
+
+@functools.cache
+def _interpreter_dirs() -> list[Path]:
+    """The base interpreter's prefixes when they lie outside the system directories (pyenv, conda):
+    a virtual environment's python is a link to it."""
+    system = [Path(p).resolve() for p in SYSTEM_DIRS if os.path.exists(p)]
+    dirs = {Path(sys.base_prefix).resolve(), Path(sys.base_exec_prefix).resolve()}
+    return sorted(d for d in dirs if not any(d == s or s in d.parents for s in system))
+
+
+def _as_given_and_real(path: Path) -> list[Path]:
+    """A path as given, and where its links lead if elsewhere: files inside may name either."""
+    given, real = Path(path).absolute(), Path(path).resolve()
+    return [given] if given == real else [given, real]
+
+
+def _supervise(command: list[str], env: Mapping[str, str], cwd: Path | None, seconds: float,
+               info: tuple[int, int] | None) -> tuple[int | None, str, bool]:
+    """Run the command in its own session and collect its output until it exits or the time is up;
+    then kill its process group and, for a box, the box's init (so its whole pid namespace), and wait
+    until they are gone. ``info``: the pipe given to bwrap's --info-fd (closed here). Returns (exit
+    status, output, timed out)."""
+    deadline = time.monotonic() + seconds
+    try:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=dict(env), cwd=cwd, start_new_session=True,
+                                pass_fds=info[1:] if info else ())
+    except BaseException:
+        if info:
+            os.close(info[0])
+        raise
+    finally:
+        if info:
+            os.close(info[1])
+    exited = os.pidfd_open(proc.pid)  # readable once it exits; it stays unreaped, so its group id is safe
+    out = proc.stdout.fileno()
+    tail, timed_out, box_init = bytearray(), False, None
+    try:
+        if info:
+            box_init = _box_init(info[0], deadline)
+            os.close(info[0])
+            info = None
+        watch = [out, exited]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready = select.select(watch, [], [], left)[0]
+            if exited in ready:
+                break
+            if out in ready:
+                chunk = os.read(out, 1 << 16)
+                if not chunk:
+                    watch.remove(out)
+                _keep(tail, chunk)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if box_init is not None:
+            try:
+                signal.pidfd_send_signal(box_init, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(_GONE_S)
+        if box_init is not None:  # the box's init exits after every process in its namespace
+            select.select([box_init], [], [], _GONE_S)
+            os.close(box_init)
+        os.close(exited)
+        if info:
+            os.close(info[0])
+        _drain(out, tail)
+        proc.stdout.close()
+    text = tail.decode(errors="replace")[-OUTPUT_CHARS:]
+    return proc.returncode, text, timed_out
+
+
+def _box_init(fd: int, deadline: float) -> int | None:
+    """A pidfd for the box's init (pid 1 inside, bwrap's child), from what bwrap writes to --info-fd
+    before the command starts; None when bwrap failed first."""
+    data = b""
+    while b"}" not in data and select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return os.pidfd_open(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, ProcessLookupError):
+        return None
+
+
+def _keep(tail: bytearray, chunk: bytes):
+    tail += chunk
+    if len(tail) > 8 * OUTPUT_CHARS:  # UTF-8: at most 4 bytes a character
+        del tail[:-4 * OUTPUT_CHARS]
+
+
+def _drain(fd: int, tail: bytearray):
+    """Read what is left of the output; give up after 1 s on a writer that outlived the run (possible
+    only unboxed and without a cgroup)."""
+    end = time.monotonic() + 1.0
+    while select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return
+        _keep(tail, chunk)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n % (1 << 30) == 0 else f"{n / (1 << 20):.0f} MiB"
+
+
+class _Cgroup:
+    """Child cgroups that hold one run: one directory in cgroup v2, or one per v1 hierarchy (memory,
+    pids). They set its limits, count its out-of-memory kills, and find what is left to kill."""
+
+    def __init__(self, dirs: list[Path], files: dict[str, Path], enforced: list[str]):
+        self.dirs, self.files, self.enforced = dirs, files, enforced
+
+    @classmethod
+    def make(cls, limits: Limits) -> _Cgroup | None:
+        """The cgroups for ``limits``, or None where this process may not make them."""
+        wanted = {"memory": limits.memory_bytes, "pids": limits.processes}
+        try:
+            with open("/proc/self/cgroup") as own, open("/proc/self/mountinfo") as mounts:
+                where = _cgroup_homes(own.read(), mounts.read())
+        except OSError:
+            return None
+        name = f"lablib-sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        made, files, enforced = [], {}, []
+        for controller, value in wanted.items():
+            if value is None or controller not in where:
+                continue
+            parent, version = where[controller]
+            _remove_stale(parent)
+            child = parent / name
+            try:
+                if version == "v2" and controller not in (parent / "cgroup.subtree_control").read_text().split():
+                    if controller not in (parent / "cgroup.controllers").read_text().split():
+                        continue
+                    (parent / "cgroup.subtree_control").write_text(f"+{controller}")
+                if child not in made:
+                    child.mkdir()
+                    made.append(child)
+                if controller == "pids":
+                    (child / "pids.max").write_text(str(value))
+                    enforced.append(f"processes {value} (cgroup {version})")
+                else:
+                    limit, swap = (("memory.max", "memory.swap.max") if version == "v2" else
+                                   ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
+                    (child / limit).write_text(str(value))
+                    if (child / swap).exists():  # no swapping past the limit
+                        (child / swap).write_text("0" if version == "v2" else str(value))
+                    enforced.append(f"memory {_size(value)} (cgroup {version})")
+                    files["oom"] = child / ("memory.events" if version == "v2" else "memory.oom_control")
+            except OSError:
+                continue
+        if not enforced:
+            for child in made:
+                child.rmdir()
+            return None
+        return cls(made, files, enforced)
+
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def oom_kills(self) -> int:
+        if "oom" not in self.files:
+            return 0
+        for line in self.files["oom"].read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def remove(self):
+        """Kill whatever is still in the cgroups, wait until they are empty, and remove them."""
+        end = time.monotonic() + _GONE_S
+        for d in self.dirs:
+            while time.monotonic() < end:
+                try:
+                    pids = (d / "cgroup.procs").read_text().split()
+                    if not pids:
+                        d.rmdir()
+                        break
+                except FileNotFoundError:
+                    break
+                except OSError:  # busy: the last processes are still exiting
+                    pids = []
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.02)
+
+
+def _remove_stale(parent: Path):
+    """Remove the empty cgroups left by graders that were killed: their pid (in the name) is gone, and
+    they are over a minute old (a grader in another pid namespace may have just made one)."""
+    for old in parent.glob("lablib-sandbox-*"):
+        try:
+            if not os.path.exists(f"/proc/{old.name.split('-')[2]}") and time.time() - old.stat().st_mtime > 60:
+                old.rmdir()
+        except OSError:  # still in use, or removed meanwhile
+            pass
+
+
+def _cgroup_homes(proc_cgroup: str, mountinfo: str) -> dict[str, tuple[Path, str]]:
+    """Where to make a run's cgroup for "memory" and "pids": (directory, "v1" or "v2"), from this process's
+    /proc/self/cgroup and /proc/self/mountinfo. In v1, under this process's cgroup. In v2, beside it: a v2
+    cgroup that holds processes cannot pass memory or pids limits to children (except at the root)."""
+    own = [line.split(":", 2) for line in proc_cgroup.splitlines() if line.count(":") >= 2]
+    homes = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        rest = fields[fields.index("-") + 1:]
+        root, point, fstype, options = fields[3], fields[4], rest[0], rest[2].split(",")
+        for _, controllers, path in own:
+            relative = os.path.relpath(path, root)
+            if relative.startswith(".."):  # this mount does not show our cgroup
+                continue
+            where = Path(point) / relative
+            if fstype == "cgroup2" and controllers == "":
+                home = where if path == "/" else where.parent
+                for controller in ("memory", "pids"):
+                    homes.setdefault(controller, (home, "v2"))
+            elif fstype == "cgroup":
+                for controller in ("memory", "pids"):
+                    if controller in controllers.split(",") and controller in options:
+                        homes[controller] = (where, "v1")  # a controller mounted in v1 is not in v2
+    return homes
