@@ -224,6 +224,7 @@ def p8_grading(s: Settings, course: list[float] | None = None) -> list[Row]:
     import nbformat
 
     from . import quiz
+    from .course.key import solve
     from .course.notebook import SOURCE_ONLY
 
     with tempfile.TemporaryDirectory(prefix="lablib-bench-") as tmp:
@@ -233,7 +234,7 @@ def p8_grading(s: Settings, course: list[float] | None = None) -> list[Row]:
             nb = nbformat.read(src, as_version=4)
             nb.cells = [c for c in nb.cells if SOURCE_ONLY not in c.metadata.get("tags", [])]
             nbformat.write(nb, learner / src.name)
-            quiz.solve(src.stem, quiz.AnswerStore(learner / "quiz_answers.json"))
+            solve(src.stem, quiz.AnswerStore(learner / "quiz_answers.json"))
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "lablib", "grade", str(Path(tmp) / "subs"), "--source", "sources",
                         "--out", str(Path(tmp) / "gradebook.csv")], cwd=ROOT, check=True, capture_output=True,

@@ -1,9 +1,10 @@
-"""The ``lablib`` command: ``lablib doctor`` (later: quiz, release, grade)."""
+"""The ``lablib`` command: doctor, quiz check, release, tidy, grade."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .course.limits import CHECK_TIMEOUT, TIME_LIMIT
 from .paths import LABS, SOURCES
 
 
@@ -24,21 +25,49 @@ def main(argv=None) -> int:
     doctor.add_argument("--ranks", type=_positive_int, default=2, help="ranks for the smoke test (default 2)")
     quiz = sub.add_parser("quiz", help="quiz banks")
     quiz_sub = quiz.add_subparsers(dest="quiz_command", required=True)
-    qcheck = quiz_sub.add_parser("check", help="validate every quiz bank; exit 1 on any problem")
-    qcheck.add_argument("folder", nargs="?", help="folder of *.yaml banks (default: the repository's quizzes/)")
-    rel = sub.add_parser("release", help="write learner notebooks from the solved sources")
+    qcheck = quiz_sub.add_parser("check", help="validate every quiz bank (a hint in every language included); "
+                                               "exit 1 on any problem")
+    qcheck.add_argument("folder", nargs="?",
+                        help="folder of *.yaml banks (default: $LABLIB_QUIZZES, else the repository's quizzes/)")
+    rel = sub.add_parser(
+        "release", help="write learner notebooks from the solved sources",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write the learner copy of every source notebook: solutions become stubs; hidden checks,\n"
+                    "source-only cells, outputs and NBVAL_CHECK_OUTPUT markers are removed.",
+        epilog="quiz modes:\n"
+               "  practice  the learners' banks keep their answer keys: a wrong answer shows a hint, a right one\n"
+               "            the explanation, and a question scores when right at the first attempt\n"
+               "  exam      keyless copies of the banks (no answers, explanations or hints; mode: exam) go to\n"
+               "            --banks-out, by default the folder 'quizzes' beside OUT_DIR. Publish them as the\n"
+               "            learner copy's quizzes/ (lablib reads $LABLIB_QUIZZES, else the quizzes/ folder of\n"
+               "            its repository): the widgets then only save answers, and `lablib grade` judges them\n"
+               "            with your keyed banks. Example: lablib release --quiz exam sources exam/labs\n"
+               "            writes exam/labs/*.ipynb and exam/quizzes/*.yaml. Never the keyed banks' folder.")
     rel.add_argument("source_dir", nargs="?", default=str(SOURCES), help="folder of source notebooks (default: sources/)")
     rel.add_argument("out_dir", nargs="?", default=str(LABS), help="where the learner copies go (default: labs/)")
     rel.add_argument("--check", action="store_true", help="write nothing; exit 1 if a learner copy is out of date")
+    rel.add_argument("--quiz", choices=("practice", "exam"), default="practice",
+                     help="practice (default) or exam: see below")
+    rel.add_argument("--banks-out", metavar="DIR",
+                     help="exam mode: where the keyless banks go (default: OUT_DIR/../quizzes)")
     tdy = sub.add_parser("tidy", help="strip a source notebook's outputs except the ones nbval compares")
     tdy.add_argument("notebooks", nargs="+", help="notebooks to tidy in place (e.g. sources/*.ipynb)")
-    grd = sub.add_parser("grade", help="re-execute learners' notebooks under nbval and write a gradebook")
+    grd = sub.add_parser("grade", help="check learners' exercise code in a sandbox, score their quizzes, write a "
+                                       "gradebook", description="Each learner's exercise functions run in a box "
+                         "(bubblewrap) and the data they produce is judged outside it; the quiz answers are scored "
+                         "with the instructor's banks. See the README's 'For instructors'.")
     grd.add_argument("submissions", help="one folder per learner, holding their notebooks and quiz_answers.json")
     grd.add_argument("--release", default=str(LABS),
-                     help="the released notebooks the graded cells are restored from (default: labs/)")
+                     help="the released notebooks whose check cells say what is checked (default: labs/)")
     grd.add_argument("--out", default="gradebook.csv", help="gradebook CSV (reports go to <name>-reports/)")
-    grd.add_argument("--source", help="source notebooks: also run their hidden checks")
-    grd.add_argument("--cell-timeout", type=float, default=120.0, help="seconds per cell (default 120)")
+    grd.add_argument("--source", help="source notebooks: also run their hidden checks and flag copied solutions")
+    grd.add_argument("--banks", help="the keyed quiz banks (default: the repository's quizzes/)")
+    grd.add_argument("--seed", type=int, help="seed of the hidden checks' inputs (default: drawn at random, "
+                                              "written in every report)")
+    grd.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT,
+                     help=f"seconds for one check (default {CHECK_TIMEOUT:g})")
+    grd.add_argument("--time-limit", type=float, default=TIME_LIMIT,
+                     help=f"seconds for one learner, every lab (default {TIME_LIMIT:g})")
     args = parser.parse_args(argv)
     if args.command == "release":
         return _release(args)
@@ -75,7 +104,8 @@ def _quiz_check(folder) -> int:
         return 1
     for b in banks.values():
         kinds = sorted({q.type for q in b.questions})
-        print(f"  {b.path.name}: {len(b.questions)} questions ({', '.join(kinds)}) in {', '.join(b.languages)}")
+        exam = "" if b.keyed else "; exam copy, no answer key"
+        print(f"  {b.path.name}: {len(b.questions)} questions ({', '.join(kinds)}) in {', '.join(b.languages)}{exam}")
     print(f"ok: {len(banks)} quiz bank(s), {sum(len(b.questions) for b in banks.values())} questions")
     return 0
 
@@ -83,19 +113,29 @@ def _quiz_check(folder) -> int:
 def _release(args) -> int:
     from .course.release import ReleaseError, release
 
+    if args.banks_out and args.quiz != "exam":
+        print("release: --banks-out is for --quiz exam (a practice release uses the banks as they are)",
+              file=sys.stderr)
+        return 2
     try:
-        differ = release(args.source_dir, args.out_dir, check=args.check)
+        differ = release(args.source_dir, args.out_dir, check=args.check, quiz=args.quiz, banks_out=args.banks_out)
     except ReleaseError as e:
         print(f"release: {e}", file=sys.stderr)
         return 1
+    exam = " --quiz exam" + (f" --banks-out {args.banks_out}" if args.banks_out else "") if args.quiz == "exam" else ""
     if args.check:
         if differ:
-            print(f"out of date in {args.out_dir}: {', '.join(differ)}; run: lablib release {args.source_dir} "
-                  f"{args.out_dir}", file=sys.stderr)
+            print(f"out of date: {', '.join(differ)}; run: lablib release{exam} {args.source_dir} {args.out_dir}",
+                  file=sys.stderr)
             return 1
         print(f"ok: the learner notebooks in {args.out_dir} match their sources")
         return 0
     print(f"released {args.source_dir} -> {args.out_dir}")
+    if args.quiz == "exam":
+        from pathlib import Path
+
+        banks_out = args.banks_out or Path(args.out_dir).parent / "quizzes"
+        print(f"keyless exam banks -> {banks_out} (the learner copy's quizzes/, or set LABLIB_QUIZZES to it)")
     return 0
 
 
@@ -103,12 +143,14 @@ def _grade(args) -> int:
     from .course.grade import grade, reports_dir
 
     try:
-        results = grade(args.submissions, args.release, args.out, args.source, args.cell_timeout)
-    except (FileNotFoundError, NotADirectoryError) as e:
+        results = grade(args.submissions, args.release, args.out, args.source, args.check_timeout, args.time_limit,
+                        args.seed, args.banks)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"grade: {e}", file=sys.stderr)
         return 2
     for lab in results:
-        flag = f"  (tampered: {', '.join(t.split(':')[0] for t in lab.tampered)})" if lab.tampered else ""
-        print(f"  {lab.learner:<20} {lab.lab:<24} {lab.points:g}/{lab.max_points:g}{flag}")
+        flag = f"  (flagged: {'; '.join(lab.flags)})" if lab.flags else ""
+        invalid = next((f"  ({n})" for n in lab.notes if n.startswith("invalid")), "")
+        print(f"  {lab.learner:<20} {lab.lab:<24} {lab.points:g}/{lab.max_points:g}{invalid}{flag}")
     print(f"gradebook: {args.out}; reports: {reports_dir(args.out)}/")
     return 0

@@ -105,6 +105,7 @@ questions:
       - {{en: B, ms: B}}
     answer: a
     explanation: {{en: Because., ms: Kerana.}}
+    hint: {{en: Think., ms: Fikir.}}
   - id: n1
     type: numeric
     tags: [x]
@@ -112,6 +113,7 @@ questions:
     answer: 3
     tolerance: 0.5
     explanation: {{en: Three., ms: Tiga.}}
+    hint: {{en: Count them., ms: Kira.}}
 """
 
 
@@ -147,6 +149,12 @@ def test_good_fixture_loads(tmp_path):
     (lambda s: s + "  - oops\n", r"question #3: expected a mapping"),
     (lambda s: s.replace("title: {en: T, ms: T}", "title: [T]"), r"field 'title': expected text or a map"),
     (lambda s: s.replace("level: easy", "level: [easy"), r"not valid YAML"),
+    (lambda s: s.replace("    hint: {en: Think., ms: Fikir.}\n", ""),
+     r"question q1: field 'hint' missing: every question needs a hint, in every language of its quiz"),
+    (lambda s: s.replace("{en: Think., ms: Fikir.}", "{en: Think.}"), r"question q1: field 'hint': missing language 'ms'"),
+    (lambda s: s.replace("{en: Count them., ms: Kira.}", "{en: Count them., ms: Jawapannya 3 sahaja.}"),
+     r"question n1: field 'hint': the ms hint states the answer \(3\); point at the idea"),
+    (lambda s: s.replace("level: easy", "level: easy\nmode: quiz"), r"field 'mode': 'quiz' is not one of practice, exam"),
 ])
 def test_each_mistake_is_named_with_file_question_and_field(tmp_path, edit, message):
     path = _write(tmp_path, edit(GOOD.format(id="broken")))
@@ -177,6 +185,38 @@ def test_unquoted_colon_gets_a_hint(tmp_path):
         bank.load(_write(tmp_path, text))
 
 
+def test_numeric_hints_may_hold_other_numbers(tmp_path):
+    text = GOOD.format(id="good").replace("{en: Count them., ms: Kira.}", "{en: Add 1.5 and 1.5 or 30., ms: Kira.}")
+    assert bank.load(_write(tmp_path, text, "good")).questions[1].hint["en"] == "Add 1.5 and 1.5 or 30."
+
+
+def _keyless(text):
+    text = text.replace("level: easy", "mode: exam\nlevel: easy")
+    for line in ("    answer: a\n", "    answer: 3\n", "    tolerance: 0.5\n", "    explanation: {en: Because., ms: Kerana.}\n",
+                 "    explanation: {en: Three., ms: Tiga.}\n", "    hint: {en: Think., ms: Fikir.}\n",
+                 "    hint: {en: Count them., ms: Kira.}\n"):
+        text = text.replace(line, "")
+    return text
+
+
+def test_an_exam_bank_loads_without_keys_and_cannot_judge(tmp_path):
+    quiz = bank.load(_write(tmp_path, _keyless(GOOD.format(id="exam")), "exam"))
+    assert quiz.mode == "exam" and not quiz.keyed
+    q1, n1 = quiz.questions
+    assert not q1.keyed and q1.answer is None and q1.explanation == {} and q1.hint == {}
+    assert [c["en"] for c in q1.choices] == ["A", "B"] and n1.type == "numeric"
+    with pytest.raises(bank.QuizError, match=r"exam/q1: this bank is an exam copy .* saved but not judged"):
+        q1.is_correct([0])
+
+
+def test_an_exam_bank_must_not_carry_a_key(tmp_path):
+    text = _keyless(GOOD.format(id="exam")).replace("    tags: [x]\n    text: {en: Which", "    tags: [x]\n    answer: a\n"
+                                                                                            "    text: {en: Which")
+    with pytest.raises(bank.QuizError, match=r"question q1: field 'answer': an exam bank \(mode: exam\) carries no "
+                                             r"answer key, explanation or hint; remove it"):
+        bank.load(_write(tmp_path, text, "exam"))
+
+
 def test_quiz_check_command(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check"], capture_output=True, text=True)
     assert ok.returncode == 0 and re.search(r"ok: \d+ quiz bank\(s\)", ok.stdout), ok.stderr
@@ -184,3 +224,26 @@ def test_quiz_check_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 1
     assert "broken.yaml: question n1: field 'tolerance' missing" in bad.stderr
+
+
+def test_quiz_check_names_a_missing_hint_and_accepts_an_exam_bank(tmp_path):
+    _write(tmp_path, GOOD.format(id="broken").replace("{en: Count them., ms: Kira.}", "{en: Count them.}"))
+    bad = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "broken.yaml: question n1: field 'hint': missing language 'ms'" in bad.stderr
+    exam = tmp_path / "exam"
+    exam.mkdir()
+    _write(exam, _keyless(GOOD.format(id="keyless")), "keyless")
+    ok = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(exam)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "keyless.yaml: 2 questions (numeric, single) in en, ms; exam copy, no answer key" in ok.stdout
+
+
+def test_every_hint_keeps_the_answer_to_itself(banks):
+    for quiz in banks.values():
+        for q in quiz.questions:
+            for lang in quiz.languages:
+                assert q.hint[lang] != q.explanation[lang], (q.ref, lang)
+                if q.type != "numeric":  # (numeric hints are checked by the bank itself)
+                    for i in q.answer:
+                        assert q.choices[i][lang].lower() not in q.hint[lang].lower(), (q.ref, lang)

@@ -92,3 +92,43 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert [p.wait(60) for p in procs] == [0, 0]
     answers = Store(path).load()
     assert len(answers) == 40 + 40 + 20 + 20
+
+
+def test_a_record_keeps_its_first_attempt_its_place_and_a_revealed_answer(tmp_path):
+    store = AnswerStore(tmp_path / "quiz_answers.json")
+    store.record("fsdp/2", [0], False, where="02_collectives")
+    rec = store.record("fsdp/2", [1], True, where="02_collectives")
+    assert rec["response"] == [1] and rec["correct"] and rec["attempts"] == 2
+    assert rec["first_response"] == [0] and rec["first_correct"] is False and rec["where"] == "02_collectives"
+    rec = store.reveal("fsdp/2", where="02_collectives")
+    assert rec["revealed"] is True and rec["attempts"] == 2 and rec["first_response"] == [0]
+    shown_first = store.reveal("fsdp/3@quiz:fsdp", where="quiz:fsdp")  # shown before any answer
+    assert "response" not in shown_first
+    assert store.record("fsdp/3@quiz:fsdp", [2], True, where="quiz:fsdp")["revealed"] is True
+    on_disk = json.loads((tmp_path / "quiz_answers.json").read_text())
+    assert on_disk["version"] == 2 and set(on_disk["answers"]) == {"fsdp/2", "fsdp/3@quiz:fsdp"}
+
+
+def test_exam_answers_are_saved_without_judging(tmp_path):
+    store = AnswerStore(tmp_path / "quiz_answers.json")
+    store.record("welcome/rank", [2], None, where="00_welcome")
+    rec = store.record("welcome/rank", [0], None, where="00_welcome")
+    assert rec == {"response": [0], "attempts": 2, "mode": "exam", "where": "00_welcome", "time": rec["time"]}
+
+
+def test_an_old_record_is_updated_without_inventing_a_first_attempt(tmp_path):
+    path = tmp_path / "quiz_answers.json"
+    path.write_text(json.dumps({"version": 1, "answers": {
+        "fsdp/2": {"response": [0], "correct": False, "attempts": 1, "time": "2025-01-01T00:00:00"},
+        "fsdp/3": "not a record"}}))
+    store = AnswerStore(path)
+    rec = store.record("fsdp/2", [1], True)
+    assert rec["attempts"] == 2 and "first_response" not in rec
+    assert store.record("fsdp/3", [2], True)["attempts"] == 1  # a junk record is replaced, not crashed on
+
+
+def test_json_nested_too_deep_is_a_damaged_file(tmp_path):
+    path = tmp_path / "quiz_answers.json"
+    path.write_text('{"answers": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert AnswerStore(path).load() == {}
+    assert list(tmp_path.glob("quiz_answers.damaged-*.json"))

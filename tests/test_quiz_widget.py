@@ -1,11 +1,14 @@
 """The quiz widgets driven from Python, the score line and the assert-style check."""
 import re
+from pathlib import Path
 
 import pytest
 
 from lablib import quiz
 from lablib.quiz.store import AnswerStore
 from lablib.quiz.widget import QuestionView, QuizView
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -18,19 +21,62 @@ def _q(ref):
     return q
 
 
-def test_single_choice_feedback_attempts_and_retry(store):
-    v = QuestionView(_q("fsdp/2"), store)
+def test_a_wrong_answer_gets_a_hint_and_a_right_one_the_explanation(store):
+    q = _q("fsdp/2")
+    v = QuestionView(q, store)
     assert v.feedback.value == "" and v.attempts.value == ""
     v.check()
     assert "Pick an answer first." in v.feedback.value and store.load() == {}
     v.control.value = 0  # "Broadcast only"
     v.check_button.click()
-    assert "✗ Not quite." in v.feedback.value and "All-gather sends every shard" in v.feedback.value
-    assert v.attempts.value == "attempts: 1"
+    assert "✗ Not quite." in v.feedback.value and "Hint:" in v.feedback.value
+    assert "which collective ends with every rank holding everyone" in v.feedback.value.lower()
+    assert "All-gather sends every shard" not in v.feedback.value  # the explanation waits for a right answer
+    assert "All-gather" not in v.feedback.value and v.attempts.value == "attempts: 1"
+    assert v.show_button.layout.display != "none"
     v.control.value = 1  # "All-gather"
     v.check_button.click()
-    assert "✓ Correct." in v.feedback.value and v.attempts.value == "attempts: 2"
-    assert v.correct
+    assert "✓ Correct." in v.feedback.value and "All-gather sends every shard" in v.feedback.value
+    assert "Hint:" not in v.feedback.value and v.attempts.value == "attempts: 2"
+    assert "No point for this one: the first attempt was not right." in v.feedback.value
+    assert v.show_button.layout.display == "none" and v.correct
+
+
+def test_right_at_the_first_attempt_scores_and_later_answers_change_nothing(store, capsys):
+    v = QuestionView(_q("fsdp/2"), store)
+    v.control.value = 1
+    v.check()
+    assert "✓ Correct." in v.feedback.value and "No point" not in v.feedback.value
+    quiz.score("fsdp/2", store)
+    assert capsys.readouterr().out == "fsdp/2: 1/1 correct at the first attempt\n"
+    v.control.value = 0
+    v.check()  # a wrong answer afterwards: the point was earned at the first attempt
+    quiz.score("fsdp/2", store)
+    assert capsys.readouterr().out == "fsdp/2: 1/1 correct at the first attempt\n"
+    rec = store.load()["fsdp/2"]
+    assert rec["first_response"] == [1] and rec["first_correct"] and rec["attempts"] == 2
+    assert rec["where"] == "02_collectives"
+
+
+def test_show_answer_reveals_answer_and_explanation_and_forfeits_the_point(store, capsys):
+    v = QuestionView(_q("fsdp/2"), store)
+    assert v.show_button.description == "Show answer" and "no point" in v.show_button.tooltip
+    v.show_button.click()  # before any answer
+    assert "Answer: b) All-gather" in v.feedback.value and "All-gather sends every shard" in v.feedback.value
+    assert "You asked for the answer, so this question scores no point." in v.feedback.value
+    assert v.show_button.layout.display == "none"
+    v.control.value = 1
+    v.check()
+    quiz.score("fsdp/2", store)
+    assert capsys.readouterr().out == "fsdp/2: 0/1 correct at the first attempt\n"
+    assert store.load()["fsdp/2"]["revealed"] is True
+    again = QuestionView(_q("fsdp/2"), AnswerStore(store.path))
+    assert "Answer: b) All-gather" in again.feedback.value and "Your saved answer." in again.feedback.value
+    w = QuestionView(_q("fsdp/6"), store)
+    w.control.value = 0
+    w.check()
+    w.show_button.click()  # after a wrong answer
+    assert "Answer: b) Reduce-scatter" in w.feedback.value and "Hint:" not in w.feedback.value
 
 
 def test_a_rebuilt_widget_shows_the_saved_answer_and_feedback(store):
@@ -50,21 +96,23 @@ def test_a_rebuilt_widget_shows_the_saved_answer_and_feedback(store):
 
 def test_numeric_question_parses_numbers_and_applies_the_tolerance(store):
     v = QuestionView(_q("welcome/waiting"), store)
-    v.control.value = "twenty"
-    v.check()
-    assert "Enter a number" in v.feedback.value and store.load() == {}
+    for text in ("twenty", "1e400", "nan"):
+        v.control.value = text
+        v.check()
+        assert "Enter a number" in v.feedback.value and store.load() == {}
     v.control.value = "24.5"
     v.check()
     assert "✓ Correct." in v.feedback.value
     v.control.value = "27"
     v.check()
     assert "✗ Not quite." in v.feedback.value and v.attempts.value == "attempts: 2"
+    assert "Hint:" in v.feedback.value and "25" not in v.feedback.value
     assert QuestionView(_q("welcome/waiting"), store).control.value == "27"
 
 
 def test_multiple_choice_needs_exactly_the_right_set(store):
     v = QuestionView(_q("welcome/collectives"), store)
-    assert "Select all that apply." in v.hint.value
+    assert "Select all that apply." in v.note.value
     v.boxes[0].value = v.boxes[1].value = True
     v.check()
     assert "✗" in v.feedback.value
@@ -96,8 +144,13 @@ def test_whole_quiz_navigation_preview_score_and_rtl(store):
     assert len(view.preview_buttons) == 8
     view.views[0].control.value = 0
     view.views[0].check()
-    assert "Score: 1/8 correct" in view.score_label.value
+    assert "Score: 1/8 correct at the first attempt" in view.score_label.value
     assert view.preview_buttons[0].description.startswith("✓ 1.")
+    view.views[1].control.value = 0
+    view.views[1].check()
+    view.views[1].control.value = 1
+    view.views[1].check()  # right at the second attempt: ✓ in the preview, no point in the score
+    assert view.preview_buttons[1].description.startswith("✓ 2.") and "Score: 1/8" in view.score_label.value
     view.next.click()
     assert "Question 2 of 8" in view.position.value and view.slot.children == (view.views[1].widget,)
     view.preview_buttons[7].click()
@@ -106,7 +159,7 @@ def test_whole_quiz_navigation_preview_score_and_rtl(store):
     assert "سؤال 8 من 8" in view.position.value
     assert "lablib-rtl" in view.widget._dom_classes
     assert "صعب المستوى" in view.header.value
-    assert "النتيجة: 1/8 صحيحة" in view.score_label.value
+    assert "النتيجة: 1/8 صحيحة من المحاولة الأولى" in view.score_label.value
     view.picker.value = "en"
     assert "lablib-rtl" not in view.widget._dom_classes
 
@@ -121,33 +174,71 @@ def test_language_defaults_from_the_environment(store, monkeypatch):
 
 
 def test_score_prints_one_stable_line_and_check_names_what_is_missing(store, capsys):
-    quiz.score("welcome", store)
-    assert capsys.readouterr().out == "welcome: 0/6 correct\n"
-    for q in quiz.questions("welcome")[:4]:
-        store.record(q.ref, sorted(q.answer) if q.type != "numeric" else q.answer, True)
-    store.record("welcome/mismatch", [0], False)
-    quiz.score("welcome", store)
-    assert capsys.readouterr().out == "welcome: 4/6 correct\n"
+    quiz.score("00_welcome", store)
+    assert capsys.readouterr().out == "00_welcome: 0/6 correct at the first attempt\n"
+    for q in quiz.questions("00_welcome")[:4]:
+        store.record(q.ref, sorted(q.answer) if q.type != "numeric" else q.answer, True, where=q.lab)
+    store.record("welcome/mismatch", [0], False, where="00_welcome")
+    quiz.score("00_welcome", store)
+    assert capsys.readouterr().out == "00_welcome: 4/6 correct at the first attempt\n"
     with pytest.raises(AssertionError) as info:
-        quiz.check("welcome", store)
+        quiz.check("00_welcome", store)
     msg = str(info.value)
     assert "not correct yet: welcome/mismatch" in msg and "unanswered: welcome/collectives" in msg
-    store.record("welcome/mismatch", [1], True)
-    store.record("welcome/collectives", [0, 1, 3], True)
-    quiz.check("welcome", store)
+    store.record("welcome/mismatch", [1], True, where="00_welcome")
+    store.record("welcome/collectives", [0, 1, 3], True, where="00_welcome")
+    quiz.check("00_welcome", store)  # everything right now, though one only at the second attempt
+    quiz.score("00_welcome", store)
+    assert capsys.readouterr().out == "00_welcome: 5/6 correct at the first attempt\n"
 
 
 def test_a_lab_name_gathers_seed_questions_placed_in_it(store, capsys):
     refs = [q.ref for q in quiz.questions("01_sharding")]
     assert {"fsdp/1", "fsdp/3", "fsdp/4", "fsdp/7", "fsdp/8"} <= set(refs)
     quiz.score("01_sharding", store)
-    assert re.fullmatch(r"01_sharding: 0/\d+ correct\n", capsys.readouterr().out)
+    assert re.fullmatch(r"01_sharding: 0/\d+ correct at the first attempt\n", capsys.readouterr().out)
 
 
-def test_the_stored_correct_flag_is_not_trusted(store, capsys):
+def test_the_stored_correct_flags_are_not_trusted(store, capsys):
     store.record("fsdp/2", [0], True)  # a hand-edited file claiming a wrong answer is right
+    store.put("fsdp/6", {"response": [0], "first_response": [0], "first_correct": True, "correct": True,
+                         "attempts": 1})
     quiz.score("fsdp/2", store)
-    assert capsys.readouterr().out == "fsdp/2: 0/1 correct\n"
+    quiz.score("fsdp/6", store)
+    assert capsys.readouterr().out == "fsdp/2: 0/1 correct at the first attempt\nfsdp/6: 0/1 correct at the first attempt\n"
+
+
+def test_answers_in_the_whole_quiz_view_count_for_no_lab(store, capsys):
+    view = quiz.show("fsdp", store=store)
+    view.views[0].control.value = 0  # fsdp/1, right; its lab is 01_sharding
+    view.views[0].check()
+    assert "fsdp/1@quiz:fsdp" in store.load() and "fsdp/1" not in store.load()
+    lab_view = quiz.ask("fsdp/1", store=store)
+    assert lab_view.feedback.value == "" and lab_view.control.value is None  # not pre-answered
+    quiz.score("01_sharding", store)
+    quiz.score("fsdp", store)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("01_sharding: 0/") and out[1] == "fsdp: 1/8 correct at the first attempt"
+    lab_view.control.value = 0
+    lab_view.check()
+    assert store.load()["fsdp/1"]["where"] == "01_sharding"
+    other = quiz.ask("fsdp/3", store=store)
+    other.control.value = 2
+    other.check()  # answered in its lab: the whole-quiz view does not count it either
+    again = quiz.show("fsdp", store=store)
+    assert "Score: 1/8" in again.score_label.value and again.views[2].feedback.value == ""
+
+
+def test_solve_is_the_instructors_not_the_learners(store, capsys):
+    from lablib.course.key import solve
+
+    assert not hasattr(quiz, "solve") and "solve" not in quiz.__all__
+    solve("00_welcome", store)
+    solve("fsdp", store)
+    quiz.score("00_welcome", store)
+    quiz.score("fsdp", store)
+    assert capsys.readouterr().out == ("00_welcome: 6/6 correct at the first attempt\n"
+                                       "fsdp: 8/8 correct at the first attempt\n")
 
 
 def test_ask_returns_a_displayable_view_and_rejects_a_whole_quiz(store):
@@ -161,3 +252,66 @@ def test_ask_returns_a_displayable_view_and_rejects_a_whole_quiz(store):
         quiz.ask("fsdp", store=store)
     with pytest.raises(KeyError, match="has no question '9'"):
         quiz.ask("fsdp/9", store=store)
+
+
+@pytest.fixture
+def exam(tmp_path, monkeypatch):
+    """The learner's side of an exam: keyless copies of the banks, loaded through LABLIB_QUIZZES."""
+    from lablib.course.release import keyless_bank
+
+    folder = tmp_path / "exam-quizzes"
+    folder.mkdir()
+    for path in sorted((ROOT / "quizzes").glob("*.yaml")):
+        (folder / path.name).write_text(keyless_bank(path), encoding="utf-8")
+    monkeypatch.setenv("LABLIB_QUIZZES", str(folder))
+    assert not quiz.banks()["fsdp"].keyed
+    return folder
+
+
+def test_an_exam_saves_answers_without_judging(exam, store, capsys):
+    v = quiz.ask("fsdp/2", store=store)
+    assert v.exam and v.check_button.description == "Save" and v.show_button.layout.display == "none"
+    v.control.value = 0
+    v.check_button.click()
+    assert "Saved. You can change your answer until you hand in." in v.feedback.value
+    assert not any(word in v.feedback.value for word in ("Correct", "Not quite", "Hint", "Answer:"))
+    assert v.attempts.value == ""
+    v.control.value = 1
+    v.check()  # changed freely
+    assert store.load()["fsdp/2"] == {"response": [1], "attempts": 2, "mode": "exam", "where": "02_collectives",
+                                      "time": store.load()["fsdp/2"]["time"]}
+    rebuilt = quiz.ask("fsdp/2", store=AnswerStore(store.path))
+    assert rebuilt.control.value == 1 and "Your saved answer." in rebuilt.feedback.value
+    quiz.score("02_collectives", store)
+    assert capsys.readouterr().out == ("02_collectives: 1/8 answered; your answers are saved and will be graded "
+                                       "by your instructor\n")
+    with pytest.raises(AssertionError, match="unanswered: fsdp/6"):
+        quiz.check("02_collectives", store)
+
+
+def test_an_exam_quiz_view_counts_answers_not_points(exam, store):
+    view = quiz.show("model-pipeline", store=store, lang="ar")
+    assert "امتحان" in view.header.value and "تظهر الإجابات" not in view.header.value
+    view.views[0].control.value = 3
+    view.views[0].check()
+    assert "تمت الإجابة: 1/8" in view.score_label.value and view.preview_buttons[0].description.startswith("• 1.")
+
+
+def test_nothing_judges_without_a_key(exam, store):
+    from lablib.course.key import solve
+
+    (q,) = quiz.questions("fsdp/2")
+    with pytest.raises(quiz.QuizError, match="no answer key in this bank"):
+        QuestionView(q, store, exam=False)
+    with pytest.raises(quiz.QuizError, match=r"exam copies with no answer key \(fsdp.yaml, sharding.yaml: mode: exam\)"
+                                             r".*point LABLIB_QUIZZES at the instructor's keyed quizzes/ folder"):
+        solve("01_sharding", store)
+    with pytest.raises(quiz.QuizError, match="saved but not judged"):
+        q.is_correct([1])
+    assert store.load() == {}
+
+
+def test_every_language_has_every_phrase_of_the_interface():
+    from lablib.quiz.i18n import UI
+
+    assert {lang: sorted(words) for lang, words in UI.items()} == {lang: sorted(UI["en"]) for lang in UI}

@@ -1,13 +1,14 @@
 """The real labs: learner copies are exactly what `lablib release` makes from the sources, and an
 untouched learner copy fails its graded checks (with a message that helps) and nothing else."""
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from lablib.course.grade import _junit_results
 from lablib.course.notebook import CHECK_OUTPUT, grade_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +23,44 @@ def test_committed_learner_copies_are_what_release_makes():
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_learner_copies_carry_no_outputs_and_no_nbval_markers(source):
+    nb = nbformat.read(ROOT / "labs" / source.name, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "quiz.score(" in code[-1].source
+    for i, cell in enumerate(code):
+        assert not cell.outputs and cell.execution_count is None, f"cell {i} keeps an output of the solved source"
+        assert CHECK_OUTPUT not in cell.source, f"cell {i}"
+    assert "correct" not in (ROOT / "labs" / source.name).read_text().split('quiz.score(')[-1]
+
+
+def test_an_exam_release_writes_keyless_banks_beside_the_learner_copies(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lablib", "release", "--quiz", "exam", "sources",
+                          str(tmp_path / "labs")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"keyless exam banks -> {tmp_path / 'quizzes'}" in out.stdout
+    for path in (ROOT / "quizzes").glob("*.yaml"):
+        text = (tmp_path / "quizzes" / path.name).read_text(encoding="utf-8")
+        assert "\nmode: exam\n" in text
+        assert not any(f"  {key}:" in text for key in ("answer", "tolerance", "explanation", "hint")), path.name
+    for path in SOURCES:  # the notebooks are the practice ones
+        assert (tmp_path / "labs" / path.name).read_text() == (ROOT / "labs" / path.name).read_text()
+    check = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(tmp_path / "quizzes")],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert check.returncode == 0 and "exam copy, no answer key" in check.stdout, check.stderr
+    again = subprocess.run([sys.executable, "-m", "lablib", "release", "--check", "--quiz", "exam", "sources",
+                            str(tmp_path / "labs")], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+
+
+def test_an_exam_release_never_overwrites_the_keyed_banks():
+    before = {p.name: p.read_text() for p in (ROOT / "quizzes").glob("*.yaml")}
+    out = subprocess.run([sys.executable, "-m", "lablib", "release", "--quiz", "exam", "--check"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "would overwrite their answer keys" in out.stderr and "--banks-out" in out.stderr
+    assert {p.name: p.read_text() for p in (ROOT / "quizzes").glob("*.yaml")} == before
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_sources_keep_outputs_only_where_nbval_compares_them(source):
     nb = nbformat.read(source, as_version=4)
     assert "widgets" not in nb.metadata, "saved widget state (quiz answers included): run `lablib tidy`"
@@ -30,6 +69,19 @@ def test_sources_keep_outputs_only_where_nbval_compares_them(source):
             assert cell.outputs and cell.execution_count, f"cell {i}: run it and keep its output (lablib tidy)"
         else:
             assert not cell.outputs, f"cell {i} stores outputs nbval never compares: run `lablib tidy {source}`"
+
+
+def _junit_results(path) -> dict[tuple[str, int], tuple[str, str]]:
+    """{(notebook file name, cell number): (status, failure text)} from nbval's JUnit XML."""
+    results = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        m = re.match(r"Cell (\d+)$", case.get("name", ""))
+        if m:
+            notebook = case.get("classname", "").split(".ipynb")[0].split(".")[-1].split("/")[-1] + ".ipynb"
+            failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+            text = "" if failure is None else failure.get("message", "") + "\n" + (failure.text or "")
+            results[(notebook, int(m.group(1)))] = ("passed" if failure is None else "failed", text)
+    return results
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
@@ -50,6 +102,6 @@ def test_untouched_learner_copy_fails_its_checks_and_only_them(source, tmp_path)
             assert status == "failed", f"check cell {n} passed on an untouched copy"
             assert "is not done yet" in detail and "NotImplementedError" in detail, detail
         elif "quiz.score(" in cell.source:
-            assert status == "failed"  # no answers yet, so the score differs from the full one
+            assert status == "passed"  # no expected score to compare with: the learner copy has none
         else:
             assert status == "passed", f"cell {n} failed on an untouched copy:\n{detail}"

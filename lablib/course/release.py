@@ -1,8 +1,12 @@
 """Release: the learner copies of the source notebooks (``lablib release``).
 
-Solutions become stubs, hidden checks and source-only cells are removed, and outputs are stripped
-except where nbval compares them (cells marked ``# NBVAL_CHECK_OUTPUT``). The markers are described in
-notebook.py.
+Solutions become stubs, hidden checks and source-only cells are removed, and so are every output and
+the ``# NBVAL_CHECK_OUTPUT`` marker lines: a learner copy carries nothing the solved source printed (the
+source keeps its markers and outputs, so nbval still compares them there). The markers are described
+in notebook.py.
+
+With ``quiz="exam"`` the release also writes keyless copies of the quiz banks (no answers, tolerances,
+explanations or hints; marked ``mode: exam``) to a folder that becomes the learner copy's ``quizzes/``.
 """
 from __future__ import annotations
 
@@ -76,7 +80,8 @@ def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
                                    f"check cell (cell {index} has no lablib.grade_id)")
             pending_exercise = None
             cell["source"], tasks = _strip_regions(cell["source"], where, keep_hidden)
-            if tasks:
+            if tasks:  # grading finds the exercise cells by this tag (course/exercises.py)
+                cell["metadata"]["lablib"] = {"exercise": sorted(set(tasks))}
                 pending_exercise = index
         cells.append(cell)
     if pending_exercise is not None:
@@ -84,8 +89,13 @@ def release_notebook(nb, name: str = "notebook", keep_hidden: bool = False):
     code = [c for c in cells if c["cell_type"] == "code"]
     if code and "quiz.score(" not in code[-1]["source"]:
         raise ReleaseError(f"{name}: the last code cell must be the quiz score cell (lablib.quiz.score(...))")
+    for cell in code:
+        cell["source"] = _CHECK_OUTPUT_LINE.sub("", cell["source"])
     nb["cells"] = cells
     return tidy(nb)
+
+
+_CHECK_OUTPUT_LINE = re.compile(rf"^[ \t]*#[ \t]*{CHECK_OUTPUT}[ \t]*(\n|$)", re.M)
 
 
 def tidy(nb):
@@ -110,28 +120,79 @@ def tidy(nb):
     return nb
 
 
-def release(source_dir, out_dir, check: bool = False) -> list[str]:
+def release(source_dir, out_dir, check: bool = False, quiz: str = "practice", banks_dir=None,
+            banks_out=None) -> list[str]:
     """Write the learner copy of every notebook in ``source_dir`` to ``out_dir``.
 
-    With ``check=True`` nothing is written; the names of copies that differ are returned."""
+    ``quiz="exam"`` also writes keyless copies of the banks in ``banks_dir`` (default: the banks lablib
+    reads, ``$LABLIB_QUIZZES`` or ``quizzes/``) to ``banks_out`` (default: ``quizzes`` beside
+    ``out_dir``), never over ``banks_dir`` itself. With ``check=True`` nothing is written; the names of
+    files that differ are returned."""
+    from ..quiz.bank import default_dir
+
     source_dir, out_dir = Path(source_dir), Path(out_dir)
+    if quiz not in ("practice", "exam"):
+        raise ReleaseError(f"quiz mode {quiz!r}: use practice or exam")
     sources = sorted(source_dir.glob("*.ipynb"))
     if not sources:
         raise ReleaseError(f"{source_dir}: no notebooks to release")
-    differ = []
-    for path in sources:
-        import nbformat  # the canonical formatting, so committed copies diff cleanly
+    files = {}
+    if quiz == "exam":
+        banks_dir = Path(banks_dir) if banks_dir is not None else default_dir()
+        banks_out = Path(banks_out) if banks_out is not None else out_dir.parent / "quizzes"
+        if banks_out.resolve() == banks_dir.resolve():
+            raise ReleaseError(f"{banks_out} holds the keyed quiz banks: an exam release there would overwrite "
+                               "their answer keys. Release into another folder (e.g. lablib release --quiz exam "
+                               "sources COPY/labs, which writes COPY/quizzes) or pass --banks-out DIR.")
+        files.update({banks_out / f"{b.id}.yaml": keyless_bank(b.path) for b in _keyed_banks(banks_dir)})
+    import nbformat  # the canonical formatting, so committed copies diff cleanly
 
+    for path in sources:
         learner = release_notebook(nbformat.read(path, as_version=4), path.name)
-        text = nbformat.writes(learner) + "\n"
-        target = out_dir / path.name
+        files[out_dir / path.name] = nbformat.writes(learner) + "\n"
+    differ = []
+    for target, text in files.items():
         if check:
-            if not target.exists() or target.read_text() != text:
-                differ.append(path.name)
+            if not target.exists() or target.read_text(encoding="utf-8") != text:
+                differ.append(target.name)
         else:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
     return differ
+
+
+def _keyed_banks(folder: Path):
+    from ..quiz.bank import QuizError, load_all
+
+    try:
+        banks = load_all(folder)
+    except QuizError as e:
+        raise ReleaseError("the quiz banks have problems (lablib quiz check):\n" + str(e)) from None
+    keyless = [b.path.name for b in banks.values() if not b.keyed]
+    if keyless:
+        raise ReleaseError(f"{folder}: {', '.join(keyless)} are already keyless exam copies; release from the "
+                           "instructor's keyed banks (set LABLIB_QUIZZES to them, or run in the course repository)")
+    return banks.values()
+
+
+def keyless_bank(path) -> str:
+    """The exam copy of a bank, as YAML: ``mode: exam``, and no answers, tolerances, explanations or hints."""
+    import yaml
+
+    from ..quiz.bank import KEY_FIELDS, QuizError, validate
+
+    path = Path(path)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    exam = {"id": data["id"], "mode": "exam", **{k: v for k, v in data.items() if k not in ("id", "mode")}}
+    exam["questions"] = [{k: v for k, v in q.items() if k not in KEY_FIELDS} for q in data["questions"]]
+    text = (f"# Exam copy of {path.name}, written by `lablib release --quiz exam`: no answer key, explanations\n"
+            "# or hints. Answers are saved, not judged; the instructor grades them with the keyed bank.\n"
+            + yaml.safe_dump(exam, allow_unicode=True, sort_keys=False, width=100))
+    try:
+        validate(yaml.safe_load(text), path)
+    except QuizError as e:  # a release must never publish a bank lablib cannot load
+        raise ReleaseError(f"the exam copy of {path.name} does not load:\n{e}") from None
+    return text
 
 
 # -- grade -------------------------------------------------------------------------------------------

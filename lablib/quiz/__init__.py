@@ -3,19 +3,26 @@
     from lablib import quiz
     quiz.ask("fsdp/2")          # one question, where its idea is taught
     quiz.show("fsdp")           # a whole quiz, one question at a time
-    quiz.score("01_sharding")   # one stable line: "01_sharding: 7/10 correct"
+    quiz.score("01_sharding")   # one stable line: "01_sharding: 7/10 correct at the first attempt"
     quiz.check("01_sharding")   # raises AssertionError naming what is unanswered or wrong
 
 A name is a quiz id (``fsdp``), a lab (``01_sharding``: every question placed in that lab, from any
-bank) or one question (``fsdp/2``).
+bank) or one question (``fsdp/2``). Answers count where they were given: ``quiz.ask`` answers count
+for the question's lab, ``quiz.show`` answers for that quiz view only (``quiz.score("fsdp")``).
+
+Practice (the default): a question scores its point when answered right at the first attempt without
+showing the answer. Exam (the banks are keyless copies, ``mode: exam``): answers are saved, not judged,
+and the instructor grades them (``lablib.quiz.grading``). The banks are read from ``$LABLIB_QUIZZES``,
+else from the repository's ``quizzes/``.
 """
 from __future__ import annotations
 
 from .bank import LANGUAGES, Question, Quiz, QuizError, default_dir, load, load_all
+from .grading import judge, pick
 from .i18n import pick_language
 from .store import AnswerStore
 
-__all__ = ["ask", "show", "score", "check", "solve", "questions", "banks", "Question", "Quiz", "QuizError", "AnswerStore",
+__all__ = ["ask", "show", "score", "check", "questions", "banks", "Question", "Quiz", "QuizError", "AnswerStore",
            "LANGUAGES", "load", "load_all"]
 
 _cache: dict = {}
@@ -47,8 +54,17 @@ def questions(name: str) -> list[Question]:
     return in_lab
 
 
+def place(name: str) -> str:
+    """Where the answers that count for ``name`` are given: the lab (for a lab, or for one question:
+    its lab), or ``quiz:<id>`` for a whole quiz."""
+    if "/" in name:
+        return questions(name)[0].lab
+    return f"quiz:{name}" if name in banks() else name
+
+
 def ask(ref: str, lang: str | None = None, store: AnswerStore | None = None):
-    """One question (e.g. ``"fsdp/2"``) with a Check button; answers are saved as they are given.
+    """One question (e.g. ``"fsdp/2"``) with a Check button; answers are saved as they are given, as
+    answers given in the question's lab.
 
     Returns the view, which shows itself as a cell's last expression."""
     import ipywidgets as w
@@ -60,7 +76,7 @@ def ask(ref: str, lang: str | None = None, store: AnswerStore | None = None):
     if q is None:
         raise ValueError(f"ask() takes one question, like 'fsdp/2', got {ref!r}; use show() for a whole quiz")
     quiz = banks()[q.quiz]
-    view = QuestionView(q, store or AnswerStore(), pick_language(quiz.languages, lang))
+    view = QuestionView(q, store or AnswerStore(), pick_language(quiz.languages, lang), where=q.lab)
     box = w.VBox()
     box.add_class("lablib-quiz")
 
@@ -76,7 +92,8 @@ def ask(ref: str, lang: str | None = None, store: AnswerStore | None = None):
 
 
 def show(quiz_id: str, lang: str | None = None, store: AnswerStore | None = None):
-    """A whole quiz: level, title, description, related lab, one question at a time, the score.
+    """A whole quiz: level, title, description, related lab, one question at a time, the score. Its
+    answers are its own: they count for no lab.
 
     Returns the view, which shows itself as a cell's last expression."""
     from .widget import QuizView
@@ -87,31 +104,40 @@ def show(quiz_id: str, lang: str | None = None, store: AnswerStore | None = None
     return QuizView(all_banks[quiz_id], store or AnswerStore(), lang)
 
 
-def _status(name, store) -> list[tuple[Question, str]]:
-    answers = (store or AnswerStore()).load()
-    return [(q, q.status(answers.get(q.ref))) for q in questions(name)]
+def _rows(name, store) -> tuple[list, bool]:
+    """[(question, record or None)] for the answers that count for ``name``, and whether the banks are
+    exam copies (nothing can be judged)."""
+    answers, where = (store or AnswerStore()).load(), place(name)
+    qs = questions(name)
+    return [(q, pick(q, answers, where)[0]) for q in qs], not all(q.keyed for q in qs)
+
+
+def _line(name, rows) -> str:
+    points = sum(judge(q, rec)[1] for q, rec in rows)
+    return f"{name}: {points:g}/{len(rows)} correct at the first attempt"
 
 
 def score(name: str, store: AnswerStore | None = None) -> None:
-    """Print one stable line, e.g. ``01_sharding: 7/10 correct``, for an nbval-checked cell."""
-    rows = _status(name, store)
-    print(f"{name}: {sum(st == 'correct' for _, st in rows)}/{len(rows)} correct")
+    """Print one stable line for an nbval-checked cell: ``01_sharding: 7/10 correct at the first
+    attempt`` (a question counts when answered right at the first attempt, its answer not shown); in an
+    exam, how many questions are answered."""
+    rows, exam = _rows(name, store)
+    if exam:
+        answered = sum(isinstance(rec, dict) and "response" in rec for _, rec in rows)
+        print(f"{name}: {answered}/{len(rows)} answered; your answers are saved and will be graded by your "
+              f"instructor")
+        return
+    print(_line(name, rows))
 
 
 def check(name: str, store: AnswerStore | None = None) -> None:
-    """Raise AssertionError naming every unanswered or wrong question of ``name``."""
-    rows = _status(name, store)
-    missing = [q for q, st in rows if st == "unanswered"]
-    wrong = [q for q, st in rows if st == "wrong"]
+    """Raise AssertionError naming every unanswered or wrong question of ``name`` (in an exam: every
+    unanswered one)."""
+    rows, exam = _rows(name, store)
+    missing = [q for q, rec in rows if not (isinstance(rec, dict) and "response" in rec)]
+    wrong = [] if exam else [q for q, rec in rows if q not in missing and not q.is_correct(rec["response"])]
     if missing or wrong:
-        lines = [f"{name}: {len(rows) - len(missing) - len(wrong)}/{len(rows)} correct"]
+        lines = [f"{name}: {len(rows) - len(missing)}/{len(rows)} answered" if exam else _line(name, rows)]
         lines += [f"  unanswered: {q.ref}: {q.text['en'][:80]}" for q in missing]
         lines += [f"  not correct yet: {q.ref}: {q.text['en'][:80]}" for q in wrong]
         raise AssertionError("\n".join(lines))
-
-
-def solve(name: str, store: AnswerStore | None = None) -> None:
-    """Record the correct answer to every question of ``name``: for solution notebooks and tests."""
-    store = store or AnswerStore()
-    for q in questions(name):
-        store.record(q.ref, q.answer if q.type == "numeric" else sorted(q.answer), True)

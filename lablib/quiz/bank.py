@@ -2,10 +2,14 @@
 
 A bank names its quiz (``id``, the file's stem), ``title``, ``level``, ``description``, the related
 ``lab``, its ``languages`` and its ``questions``. A question has an ``id``, ``text``, ``tags``, an
-``explanation``, and either ``choices`` with an ``answer`` (choice letters, ``a`` first; one for
-``type: single``, the default, one or more for ``type: multiple``) or, for ``type: numeric``, a number
-``answer`` with a ``tolerance``. Texts are maps from language code to text; a quiz in English only may
-use plain strings.
+``explanation`` (shown with a right answer), a ``hint`` (shown after a wrong one: it points at the idea
+without giving the answer), and either ``choices`` with an ``answer`` (choice letters, ``a`` first; one
+for ``type: single``, the default, one or more for ``type: multiple``) or, for ``type: numeric``, a
+number ``answer`` with a ``tolerance``. Texts are maps from language code to text; a quiz in English
+only may use plain strings.
+
+A bank marked ``mode: exam`` is a learner's copy for an exam (``lablib release --quiz exam``): it
+carries no ``answer``, ``tolerance``, ``explanation`` or ``hint``, and its questions cannot be judged.
 
 Every problem is reported with file, question and field, all at once: ``QuizError`` lists them.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +26,11 @@ LANGUAGES = {"en": "English", "ms": "Bahasa Melayu", "ar": "العربية"}
 RTL = {"ar"}
 LEVELS = ("easy", "medium", "hard")
 TYPES = ("single", "multiple", "numeric")
+MODES = ("practice", "exam")
+KEY_FIELDS = ("answer", "tolerance", "explanation", "hint")  # what an exam copy leaves out
 LETTERS = string.ascii_lowercase
+_HINT_NEEDED = (": every question needs a hint, in every language of its quiz, shown after a wrong answer; it "
+                "points at the idea without giving the answer")
 
 
 class QuizError(ValueError):
@@ -42,35 +51,60 @@ class Question:
     tags: tuple
     lab: str
     choices: tuple = ()          # of {lang: text}
-    answer: object = None        # frozenset of choice indices, or a float for numeric
+    answer: object = None        # frozenset of choice indices, or a float for numeric; None in an exam copy
     tolerance: float = 0.0
     unit: str = ""
+    hint: dict = field(default_factory=dict)
 
     @property
     def ref(self) -> str:
         """The global name of the question, e.g. "fsdp/2"."""
         return f"{self.quiz}/{self.id}"
 
+    @property
+    def keyed(self) -> bool:
+        """Whether the bank holds this question's answer (an exam copy does not)."""
+        return self.answer is not None
+
+    def key(self, where: str) -> str:
+        """The answers-file key of an answer given in ``where``: the ref in the question's own lab,
+        ``ref@where`` anywhere else (e.g. ``fsdp/2@quiz:fsdp`` in the whole-quiz view)."""
+        return self.ref if where == self.lab else f"{self.ref}@{where}"
+
+    def valid_response(self, response) -> bool:
+        """Whether ``response`` has the shape of an answer: a finite number for a numeric question, else
+        a list of distinct choice indices (exactly one for a single-choice question)."""
+        if self.type == "numeric":
+            if not isinstance(response, (int, float)) or isinstance(response, bool):
+                return False
+            try:
+                return math.isfinite(float(response))
+            except OverflowError:  # an integer too large for a float
+                return False
+        if not isinstance(response, list) or not 0 < len(response) <= len(self.choices):
+            return False
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.choices) for i in response):
+            return False
+        return len(set(response)) == len(response) and (self.type == "multiple" or len(response) == 1)
+
     def is_correct(self, response) -> bool:
-        """``response``: a list of choice indices, or a number for numeric questions."""
-        if response is None:
+        """``response``: a list of choice indices, or a number for numeric questions. Anything else is
+        not correct. Raises QuizError for a question without its answer (an exam copy)."""
+        if not self.keyed:
+            raise QuizError([f"{self.ref}: this bank is an exam copy (mode: exam) with no answer key, so "
+                             "answers can be saved but not judged here; the instructor grades them with the "
+                             "keyed banks (lablib.quiz.grading.grade_lab)"])
+        if not self.valid_response(response):
             return False
         if self.type == "numeric":
-            try:
-                return abs(float(response) - self.answer) <= self.tolerance + 1e-12 * abs(self.answer)
-            except (TypeError, ValueError):
-                return False
-        try:
-            return frozenset(int(i) for i in response) == self.answer
-        except (TypeError, ValueError):
-            return False
+            return abs(float(response) - self.answer) <= self.tolerance + 1e-12 * abs(self.answer)
+        return frozenset(response) == self.answer
 
-    def status(self, record: dict | None) -> str:
-        """"correct", "wrong" or "unanswered" for an answers-file record, graded against the bank (the
-        record's own "correct" flag is not trusted)."""
-        if record is None:
-            return "unanswered"
-        return "correct" if self.is_correct(record.get("response")) else "wrong"
+    def response_text(self, response, lang: str = "en") -> str:
+        """A valid response as the learner saw it: ``b) All-gather``, or ``25 ms``."""
+        if self.type == "numeric":
+            return f"{float(response):g}{(' ' + self.unit) if self.unit else ''}"
+        return "; ".join(f"{LETTERS[i]}) {self.choices[i][lang]}" for i in sorted(response))
 
     def answer_text(self, lang: str) -> str:
         if self.type == "numeric":
@@ -90,6 +124,11 @@ class Quiz:
     languages: tuple
     questions: tuple
     related: dict = field(default_factory=dict)
+    mode: str = "practice"       # "exam": a learner's copy without answer keys
+
+    @property
+    def keyed(self) -> bool:
+        return self.mode != "exam"
 
     def question(self, qid: str) -> Question:
         for q in self.questions:
@@ -134,7 +173,12 @@ def load(path: str | Path) -> Quiz:
         raise QuizError([f"{path}: not valid YAML: {e}"]) from None
     except OSError as e:
         raise QuizError([f"{path}: cannot read: {e}"]) from None
-    return _Validator(path).quiz(data)
+    return validate(data, path)
+
+
+def validate(data, path: str | Path) -> Quiz:
+    """The quiz a bank's parsed YAML describes (``path`` names its file); raises QuizError."""
+    return _Validator(Path(path)).quiz(data)
 
 
 class _Validator:
@@ -164,6 +208,10 @@ class _Validator:
             self.err("field 'languages'", "every quiz needs English ('en')")
         langs = [lang for lang in langs if lang in LANGUAGES]
         self.langs = langs
+        self.mode = data.get("mode", "practice")
+        if self.mode not in MODES:
+            self.err("field 'mode'", f"{self.mode!r} is not one of {', '.join(MODES)} (leave it out for practice)")
+            self.mode = "practice"
         level = data.get("level")
         if "level" in data and level not in LEVELS:
             self.err("field 'level'", f"{level!r} is not one of {', '.join(LEVELS)}")
@@ -184,7 +232,8 @@ class _Validator:
                 questions.append(question)
         if self.problems:
             raise QuizError(self.problems)
-        return Quiz(qid, self.path, title, level, description, lab, tuple(langs), tuple(questions), related)
+        return Quiz(qid, self.path, title, level, description, lab, tuple(langs), tuple(questions), related,
+                    self.mode)
 
     def text(self, value, where) -> dict:
         """A {lang: text} map with every quiz language; a plain string counts as English."""
@@ -214,25 +263,47 @@ class _Validator:
         if qid in seen:
             self.err(where, "duplicate question id")
         seen.add(qid)
-        for key in ("text", "explanation", "tags", "answer"):
+        exam = self.mode == "exam"
+        for key in ("text", "tags") + (() if exam else ("explanation", "hint", "answer")):
             if key not in q:
-                self.err(where, f"field {key!r} missing")
+                self.err(where, f"field {key!r} missing" + (_HINT_NEEDED if key == "hint" else ""))
         qtype = q.get("type", "single")
         if qtype not in TYPES:
             self.err(where, f"field 'type': {qtype!r} is not one of {', '.join(TYPES)}")
             return None
         text = self.text(q.get("text"), f"{where}: field 'text'")
-        explanation = self.text(q.get("explanation"), f"{where}: field 'explanation'")
         tags = q.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             self.err(where, "field 'tags': must be a list of words")
             tags = []
         lab = q.get("lab", quiz_lab)
-        common = dict(quiz=quiz_id, id=qid, type=qtype, text=text, explanation=explanation, tags=tuple(tags),
-                      lab=lab)
+        common = dict(quiz=quiz_id, id=qid, type=qtype, text=text, tags=tuple(tags), lab=lab)
+        if exam:
+            return self.keyless(q, where, common)
+        common["explanation"] = self.text(q.get("explanation"), f"{where}: field 'explanation'")
+        if "hint" in q:
+            common["hint"] = self.text(q.get("hint"), f"{where}: field 'hint'")
         if qtype == "numeric":
             return self.numeric(q, where, common)
         return self.choice(q, where, qtype, common)
+
+    def keyless(self, q, where, common) -> Question | None:
+        """A question of an exam copy: everything but the key, which must not be there."""
+        for key in KEY_FIELDS:
+            if key in q:
+                self.err(where, f"field {key!r}: an exam bank (mode: exam) carries no answer key, explanation "
+                                "or hint; remove it (lablib release --quiz exam writes keyless copies)")
+        if common["type"] == "numeric":
+            if "choices" in q:
+                self.err(where, "field 'choices': a numeric question has no choices")
+                return None
+            return Question(**common, explanation={}, unit=str(q.get("unit", "")))
+        choices = q.get("choices")
+        if not isinstance(choices, list) or len(choices) < 2:
+            self.err(where, "field 'choices': needs a list of at least 2 choices")
+            return None
+        texts = tuple(self.text(c, f"{where}: choice {LETTERS[j]}") for j, c in enumerate(choices[:26]))
+        return Question(**common, explanation={}, choices=texts)
 
     def numeric(self, q, where, common) -> Question | None:
         answer, tolerance = q.get("answer"), q.get("tolerance")
@@ -252,6 +323,10 @@ class _Validator:
             ok = False
         if not ok:
             return None
+        shown = _number_in(common.get("hint", {}), float(answer))
+        if shown:
+            self.err(where, f"field 'hint': the {shown} hint states the answer ({float(answer):g}); point at the "
+                            "idea or the method instead")
         return Question(**common, answer=float(answer), tolerance=float(tolerance), unit=str(q.get("unit", "")))
 
     def choice(self, q, where, qtype, common) -> Question | None:
@@ -284,3 +359,9 @@ class _Validator:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _number_in(texts: dict, number: float) -> str:
+    """The language of the first text that writes ``number`` as a number of its own, else ""."""
+    pattern = re.compile(rf"(?<![\w.]){re.escape(f'{number:g}')}(?!\d|[.,]\d)")
+    return next((lang for lang, text in texts.items() if pattern.search(text)), "")

@@ -6,9 +6,12 @@ previous, a preview of every question, feedback as you answer, a running score).
 """
 from __future__ import annotations
 
+import math
+
 import ipywidgets as w
 
-from .bank import LANGUAGES, LETTERS, RTL, Question, Quiz
+from .bank import LANGUAGES, LETTERS, RTL, Question, Quiz, QuizError
+from .grading import CORRECT, judge, pick
 from .i18n import pick_language, plain, rich, t
 from .store import AnswerStore
 
@@ -20,21 +23,33 @@ _STYLE = ("<style>.lablib-rtl, .lablib-rtl * {direction: rtl; text-align: right;
 
 def parse_number(text: str) -> float | None:
     try:
-        return float(str(text).strip().replace(",", "").replace("_", ""))
+        value = float(str(text).strip().replace(",", "").replace("_", ""))
     except ValueError:
         return None
+    return value if math.isfinite(value) else None
 
 
 class QuestionView:
     """One question: its text, the choices (or a number box), a Check button, feedback and attempts.
 
-    Every check is saved to the answers file; a rebuilt view shows the saved answer and its feedback.
+    Practice (a keyed bank): a wrong answer shows a hint, a right one the explanation; *Show answer*
+    shows the answer and the explanation and gives up the question's point. Exam (a keyless bank,
+    ``mode: exam``): a Save button, nothing judged. Every answer is saved to the answers file under
+    the place it was given (``where``: the question's lab by default); a rebuilt view shows it again.
     """
 
-    def __init__(self, question: Question, store: AnswerStore, lang: str = "en", on_answer=None):
-        self.q, self.store, self.lang, self.on_answer = question, store, lang, on_answer
+    def __init__(self, question: Question, store: AnswerStore, lang: str = "en", on_answer=None,
+                 where: str | None = None, exam: bool | None = None):
+        if exam is None:
+            exam = not question.keyed
+        if not exam and not question.keyed:
+            raise QuizError([f"{question.ref}: no answer key in this bank (an exam copy, mode: exam), so a "
+                             "practice view cannot judge it; leave exam= out to save answers without judging"])
+        self.q, self.store, self.lang, self.on_answer, self.exam = question, store, lang, on_answer, exam
+        self.where = question.lab if where is None else where
+        self.key = question.key(self.where)
         self.text = w.HTML()
-        self.hint = w.HTML()
+        self.note = w.HTML()  # "Select all that apply."
         if question.type == "single":
             self.control = w.RadioButtons(options=[], value=None, layout=w.Layout(width="auto"))
             self.boxes = []
@@ -47,10 +62,13 @@ class QuestionView:
         self.unit = w.Label(question.unit)
         self.check_button = w.Button(button_style="primary")
         self.check_button.on_click(lambda _: self.check())
+        self.show_button = w.Button(layout=w.Layout(display="none"))
+        self.show_button.on_click(lambda _: self.reveal())
         self.feedback = w.HTML()
         self.attempts = w.Label()
         entry = w.HBox([self.control, self.unit]) if question.type == "numeric" else self.control
-        self.widget = w.VBox([self.text, self.hint, entry, w.HBox([self.check_button, self.attempts]), self.feedback])
+        buttons = w.HBox([self.check_button, self.show_button, self.attempts])
+        self.widget = w.VBox([self.text, self.note, entry, buttons, self.feedback])
         self.widget.add_class("lablib-question")
         self.outer = self.widget  # what is displayed; ask() wraps it with the style box
         self._restored = False    # the feedback shown is a saved answer's, not one given just now
@@ -60,12 +78,17 @@ class QuestionView:
     def _repr_mimebundle_(self, **kwargs):
         return self.outer._repr_mimebundle_(**kwargs)
 
+    def record(self) -> dict | None:
+        """This view's record in the answers file (None when there is none, or it is not a record)."""
+        rec = self.store.get(self.key)
+        return rec if isinstance(rec, dict) else None
+
     # -- language --------------------------------------------------------------------------------
     def set_language(self, lang: str):
         self.lang = lang
         q = self.q
         self.text.value = f"<div><b>{rich(q.text[lang])}</b></div>"
-        self.hint.value = f"<i>{t(lang, 'several')}</i>" if q.type == "multiple" else ""
+        self.note.value = f"<i>{t(lang, 'several')}</i>" if q.type == "multiple" else ""
         if q.type == "single":
             value = self.control.value
             self.control.options = [(f"{LETTERS[i]}) {plain(c[lang])}", i) for i, c in enumerate(q.choices)]
@@ -75,10 +98,9 @@ class QuestionView:
                 box.description = f"{LETTERS[i]}) {plain(c[lang])}"
         else:
             self.control.placeholder = t(lang, "number")
-        self.check_button.description = t(lang, "check")
-        rec = self.store.get(q.ref)
-        if rec is not None:
-            self._show(rec, saved=self._restored)
+        self.check_button.description = t(lang, "save" if self.exam else "check")
+        self.show_button.description, self.show_button.tooltip = t(lang, "show_answer"), t(lang, "show_tip")
+        self._show(self.record(), saved=self._restored)
 
     # -- answering -------------------------------------------------------------------------------
     def response(self):
@@ -91,12 +113,26 @@ class QuestionView:
         return parse_number(self.control.value)
 
     def check(self):
+        """Save what is selected (and judge it, in practice); returns the record, or None if nothing
+        valid is selected."""
         response = self.response()
         if response is None:
             key = "not_a_number" if self.q.type == "numeric" and self.control.value.strip() else "choose"
             self.feedback.value = f"<span style='color:#b45309'>{t(self.lang, key)}</span>"
             return None
-        rec = self.store.record(self.q.ref, response, self.q.is_correct(response))
+        correct = None if self.exam else self.q.is_correct(response)
+        rec = self.store.record(self.key, response, correct, self.where)
+        self._restored = False
+        self._show(rec, saved=False)
+        if self.on_answer:
+            self.on_answer(self)
+        return rec
+
+    def reveal(self) -> dict:
+        """Show the answer and the explanation; the question then scores no point."""
+        if self.exam:
+            raise QuizError([f"{self.q.ref}: an exam has no answers to show"])
+        rec = self.store.reveal(self.key, self.where)
         self._restored = False
         self._show(rec, saved=False)
         if self.on_answer:
@@ -104,36 +140,53 @@ class QuestionView:
         return rec
 
     def _restore(self):
-        rec = self.store.get(self.q.ref)
-        if rec is None:
+        rec = self.record()
+        if rec is None or "response" not in rec:
             return
-        r = rec.get("response")
-        try:
+        r = rec["response"]
+        if self.q.valid_response(r):  # an answer from another version of the question leaves the control
             if self.q.type == "single":
-                self.control.value = int(r[0])
+                self.control.value = r[0]
             elif self.q.type == "multiple":
                 for i, box in enumerate(self.boxes):
                     box.value = i in r
             else:
                 self.control.value = f"{float(r):g}"
-        except (TypeError, ValueError, IndexError, KeyError):
-            pass  # an answer from another version of the question: show the feedback, leave the control
         self._restored = True
         self._show(rec, saved=True)
 
     def _show(self, rec, saved):
-        ok = self.q.status(rec) == "correct"
-        lang = self.lang
-        mark = f"<b style='color:#15803d'>✓ {t(lang, 'correct')}</b>" if ok else \
-            f"<b style='color:#b91c1c'>✗ {t(lang, 'incorrect')}</b>"
+        lang, q = self.lang, self.q
+        rec = rec if isinstance(rec, dict) else {}
+        answered = "response" in rec
         note = f" <i>{t(lang, 'saved')}</i>" if saved else ""
-        self.feedback.value = f"<div>{mark}{note}<br>{rich(self.q.explanation[lang])}</div>"
-        self.attempts.value = t(lang, "attempts", n=rec.get("attempts", 1))
+        self.attempts.value = t(lang, "attempts", n=rec.get("attempts", 1)) if answered and not self.exam else ""
+        if self.exam:
+            self.feedback.value = f"<div><b>{t(lang, 'saved_now')}</b>{note}</div>" if answered else ""
+            return
+        right = answered and q.is_correct(rec["response"])
+        revealed = bool(rec.get("revealed"))
+        self.show_button.layout.display = "none" if right or revealed else None
+        parts = []
+        if answered:
+            parts.append((f"<b style='color:#15803d'>✓ {t(lang, 'correct')}</b>" if right else
+                          f"<b style='color:#b91c1c'>✗ {t(lang, 'incorrect')}</b>") + note)
+        if revealed:
+            parts += [f"<b>{rich(t(lang, 'answer_is', answer=q.answer_text(lang)))}</b>", rich(q.explanation[lang]),
+                      f"<i>{t(lang, 'revealed')}</i>"]
+        elif right:
+            parts.append(rich(q.explanation[lang]))
+            if judge(q, rec)[0] != CORRECT:
+                parts.append(f"<i>{t(lang, 'late')}</i>")
+        elif answered:
+            parts.append(f"<b>{t(lang, 'hint')}</b> {rich(q.hint[lang])}")
+        self.feedback.value = f"<div>{'<br>'.join(parts)}</div>" if parts else ""
 
     @property
     def correct(self) -> bool:
-        rec = self.store.get(self.q.ref)
-        return self.q.status(rec) == "correct"
+        """Whether the latest answer is right (practice)."""
+        rec = self.record()
+        return bool(rec) and "response" in rec and self.q.is_correct(rec["response"])
 
 
 def _language_picker(quiz_langs, lang, on_change):
@@ -146,12 +199,16 @@ def _language_picker(quiz_langs, lang, on_change):
 
 
 class QuizView:
-    """A whole quiz: header, language switch, one question at a time, a preview of all, the score."""
+    """A whole quiz: header, language switch, one question at a time, a preview of all, the score.
+
+    Its answers are kept apart from the labs' (``where`` is ``quiz:<id>``): they count for no lab."""
 
     def __init__(self, quiz: Quiz, store: AnswerStore, lang: str | None = None, start: int = 0):
-        self.quiz, self.store = quiz, store
+        self.quiz, self.store, self.exam = quiz, store, not quiz.keyed
+        self.where = f"quiz:{quiz.id}"
         self.lang = pick_language(quiz.languages, lang)
-        self.views = [QuestionView(q, store, self.lang, on_answer=lambda _: self._refresh()) for q in quiz.questions]
+        self.views = [QuestionView(q, store, self.lang, on_answer=lambda _: self._refresh(), where=self.where)
+                      for q in quiz.questions]
         self.k = max(0, min(start, len(self.views) - 1))
         self.header = w.HTML()
         self.position = w.HTML()
@@ -192,7 +249,7 @@ class QuizView:
             f"<h3 style='margin:4px 0'>{rich(quiz.title[lang])}</h3>"
             f"<div>{rich(quiz.description[lang])}</div>"
             f"<div>{t(lang, 'related', related=link)}</div>"
-            f"<div style='color:#666'><i>{t(lang, 'note')}</i></div>")
+            f"<div style='color:#666'><i>{t(lang, 'exam_note' if self.exam else 'note')}</i></div>")
         self.prev.description, self.next.description = t(lang, "previous"), t(lang, "next")
         self.preview.set_title(0, t(lang, "preview", n=len(self.views)))
         self._refresh()
@@ -206,12 +263,19 @@ class QuizView:
     def _refresh(self):
         lang, answers = self.lang, self.store.load()
         self.position.value = f"<b>{t(lang, 'position', k=self.k + 1, n=len(self.views))}</b>"
-        correct = 0
+        points = answered = 0
         for i, (v, b) in enumerate(zip(self.views, self.preview_buttons)):
-            status = v.q.status(answers.get(v.q.ref))
-            correct += status == "correct"
-            mark = {"correct": "✓", "wrong": "✗", "unanswered": "·"}[status]
+            rec, _ = pick(v.q, answers, self.where)
+            has_answer = isinstance(rec, dict) and "response" in rec
+            answered += has_answer
+            if self.exam:
+                mark = "•" if has_answer else "·"
+            else:
+                points += judge(v.q, rec)[1]
+                mark = "·" if not has_answer else "✓" if v.q.is_correct(rec["response"]) else "✗"
             b.description = f"{mark} {i + 1}. {plain(v.q.text[lang])}"
             b.tooltip = plain(v.q.text[lang])
             b.button_style = "info" if i == self.k else ""
-        self.score_label.value = f"&nbsp;{t(lang, 'score', c=correct, n=len(self.views))}"
+        score = (t(lang, "answered_count", c=answered, n=len(self.views)) if self.exam
+                 else t(lang, "score", c=f"{points:g}", n=len(self.views)))
+        self.score_label.value = f"&nbsp;{score}"
