@@ -168,13 +168,21 @@ def test_flat_shard_mistakes():
 
 def test_shard_slices_mistakes():
     def right(numels, n, rank):
-        return [(s.param, s.param_start, s.shard_start, s.length)
-                for s in FlatLayout(tuple((k,) for k in numels), n).shard_slices(rank)]
+        shard = -(-sum(numels) // n)
+        start, end, out, offset = rank * shard, (rank + 1) * shard, [], 0
+        for i, k in enumerate(numels):
+            lo, hi = max(start, offset), min(end, offset + k)
+            if lo < hi:
+                out.append((i, lo - offset, lo - start, hi - lo))
+            offset += k
+        return out
 
     def first_owner_only(numels, n, rank):  # a parameter straddling two shards goes to one of them only
-        layout = FlatLayout(tuple((k,) for k in numels), n)
-        start, _ = layout.shard_bounds(rank)
-        return [t for t in right(numels, n, rank) if layout.offsets[t[0]] >= start]
+        start = rank * -(-sum(numels) // n)
+        return [t for t in right(numels, n, rank) if sum(numels[:t[0]]) >= start]
+
+    def uses_the_library(numels, n, rank):
+        return FlatLayout(tuple((k,) for k in numels), n).shard_slices(rank)
 
     def swapped_offsets(numels, n, rank):
         return [(p, b, a, k) for p, a, b, k in right(numels, n, rank)]
@@ -184,6 +192,8 @@ def test_shard_slices_mistakes():
         check_shard_slices(first_owner_only)
     with pytest.raises(CheckFailed, match="param_start counts from the start of the parameter"):
         check_shard_slices(swapped_offsets)
+    with pytest.raises(CheckFailed, match="uses FlatLayout: it is lablib's answer"):
+        check_shard_slices(uses_the_library)
 
 
 def _gather(unit, ctx):
@@ -212,6 +222,17 @@ def test_zero_stage_mistakes(cluster):
     def keep_everything(unit):
         pass
 
+    def unshard(unit, ctx):
+        unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
+        _gather(unit, ctx)
+
+    def zero2_step(unit, ctx):
+        shard_grad = torch.empty(unit.layout.shard_numel, dtype=unit.grad.dtype)
+        lablib.reduce_scatter(shard_grad, unit.grad)
+        unit.grad = shard_grad / ctx.world_size
+        ctx.update(unit, unit.grad)
+        _gather(unit, ctx)
+
     with pytest.raises(CheckFailed, match="differ from the single-process reference.*divide the all-reduced"):
         check_zero1(no_divide, cluster)
     with pytest.raises(CheckFailed, match="ctx.update got a gradient of \\d+ elements"):
@@ -222,5 +243,9 @@ def test_zero_stage_mistakes(cluster):
         check_zero3(_gather, lambda u: u.flat.untyped_storage().resize_(0), cluster)
     if cluster.world_size > 1:
         with pytest.raises(CheckFailed, match="bytes of params.*reshard must free the full flat buffer"):
-            check_zero3(fsdp.unshard, keep_everything, cluster)
-    check_zero2(zero.zero2_step, cluster)
+            check_zero3(unshard, keep_everything, cluster)
+    with pytest.raises(CheckFailed, match="zero2_step is lablib's own lablib.strategies.zero.zero2_step"):
+        check_zero2(zero.zero2_step, cluster)
+    with pytest.raises(CheckFailed, match="zero1_step is None"):
+        check_zero1(None, cluster)
+    check_zero2(zero2_step, cluster)

@@ -107,12 +107,35 @@ def test_ring_checks_teach(fragile):
     def library_call(output, input):
         lablib.all_gather(output, input)
 
+    def untraced_library_call(output, input):  # torch's collective, plus dummy messages to match the count
+        dist.all_gather_into_tensor(output, input)
+        for _ in range(dist.get_world_size() - 1):
+            lablib.isend(torch.zeros(1), (dist.get_rank() + 1) % dist.get_world_size()).wait()
+
+    def ring_reduce_scatter(output, input):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        partial = input.reshape(n, -1).clone()
+        incoming = torch.empty_like(partial[0])
+        for step in range(n - 1):
+            handles = [lablib.isend(partial[(rank - step - 1) % n], (rank + 1) % n),
+                       lablib.irecv(incoming, (rank - 1) % n)]
+            for h in handles:
+                h.wait()
+            partial[(rank - step - 2) % n] += incoming
+        output.view(-1).copy_(partial[rank])
+
     t = time.perf_counter()
     with pytest.raises(CheckFailed, match="(?s)deadlock.*Hint: a blocking send waits until its peer receives"):
         check_ring_blocking(everyone_sends_first, fragile)
     assert time.perf_counter() - t < fragile.timeout + HUNG
-    with pytest.raises(CheckFailed, match="differs from dist.all_gather_into_tensor.*copy your own input"):
+    with pytest.raises(CheckFailed, match="differs from what dist.all_gather_into_tensor gives.*copy your own input"):
         check_ring_all_gather(forgets_own_chunk, fragile)
-    with pytest.raises(CheckFailed, match="called all_gather"):
+    with pytest.raises(CheckFailed, match="uses .all_gather: build it from point-to-point messages"):
         check_ring_all_gather(library_call, fragile)
-    check_ring_reduce_scatter(ring.ring_reduce_scatter, fragile)
+    with pytest.raises(CheckFailed, match="uses .all_gather_into_tensor: build it from point-to-point"):
+        check_ring_all_gather(untraced_library_call, fragile)
+    with pytest.raises(CheckFailed, match="Task 2.1 asks for blocking lablib.send"):
+        check_ring_blocking(ring_reduce_scatter, fragile)
+    with pytest.raises(CheckFailed, match="ring_reduce_scatter is lablib's own"):
+        check_ring_reduce_scatter(ring.ring_reduce_scatter, fragile)
+    check_ring_reduce_scatter(ring_reduce_scatter, fragile)

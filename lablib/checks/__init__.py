@@ -1,16 +1,21 @@
-"""Exercise checks, one module per lab (lab00.py, lab01.py, ...), each check owning its task id.
+"""Exercise checks, one module per lab (lab00.py, lab01.py, ...), each a ``Check`` owning its task id.
 
 Every check has the same shape:
-- a *job* that runs the learner's function (on the ranks, or in this process for single-process tasks)
-  and returns plain data: tensors, numbers, lists of them;
-- a pure *judge* that compares that data with the reference and returns the success line, or raises
-  ``CheckFailed`` with what differed and the likely cause.
-So the same check runs in the notebook, in a grader's clean process and under torchrun. A failed check
-raises ``CheckFailed`` (an AssertionError), so the check cell fails under nbval and ``lablib grade``.
+- ``collect`` runs the learner's functions (on the ranks, or in this process for single-process tasks)
+  and returns plain data: tensors, numbers, strings, lists and dicts of them;
+- ``judge``, pure, compares that data with a reference it computes itself and returns the success
+  line, or raises ``CheckFailed`` with what differed and the likely cause.
+In the notebook a check does both (``check_zero1(zero1_step, cluster)``). ``lablib grade`` runs only
+``collect``, in a box, with the learner's exercise code, and judges the data outside the box. Before
+either, the learner's functions are read (policy.py): ``None``, lablib's own functions and code that
+reaches for the answers are refused with a reason. A failed check raises ``CheckFailed`` (an
+AssertionError), so the check cell fails under nbval too.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from ..pool import Cluster, RankError
 
@@ -60,13 +65,74 @@ def call_local(task: str, fn, what: str, hint: str, *args):
 
 
 @contextmanager
-def pools(cluster: Cluster, sizes=(2, 3, 4)):
-    """The notebook's pool plus pools of the other sizes, like it; the extra ones are closed after the
-    check, so a notebook does not keep idle ranks (each holds a few hundred MB)."""
-    extra = {n: Cluster(n, backend=cluster.backend, timeout=cluster.timeout, quiet=True)
-             for n in sizes if n != cluster.world_size}
+def pools(cluster: Cluster | None, sizes=(2, 3, 4)):
+    """A pool per size: the notebook's own where its size matches, else a new one like it (closed after
+    the check, so a notebook does not keep idle ranks: each holds a few hundred MB). A size of None
+    (a check that runs in this process) gets None."""
+    like = dict(backend=cluster.backend, timeout=cluster.timeout) if cluster is not None else {}
+    extra = {n: Cluster(n, quiet=True, **like) for n in sizes
+             if n is not None and (cluster is None or n != cluster.world_size)}
     try:
-        yield [cluster if n == cluster.world_size else extra[n] for n in sizes]
+        yield [None if n is None else extra.get(n, cluster) for n in sizes]
     finally:
         for pool in extra.values():
             pool.close()
+
+
+def vet(task: str, params: tuple, fns: tuple, forbidden: Mapping[str, str]) -> None:
+    """Refuse what is not the learner's own code: None, something that is not a function, lablib's own
+    functions (``ring_all_reduce = collectives.ring_all_reduce``), and code the rules forbid."""
+    __tracebackhide__ = True
+    from .policy import function_problems
+
+    for name, fn in zip(params, fns):
+        if fn is None:
+            raise CheckFailed(f"{task}: {name} is None. Define {name} with `def` in the exercise cell, with your code.")
+        if not callable(fn):
+            raise CheckFailed(f"{task}: {name} is a {type(fn).__name__}, expected your function.")
+        module = getattr(fn, "__module__", None) or ""
+        if module == "lablib" or module.startswith("lablib."):
+            raise CheckFailed(f"{task}: {name} is lablib's own {module}.{getattr(fn, '__qualname__', '')}. "
+                              "The task is to write it yourself.")
+        problems = function_problems(fn, forbidden)
+        if problems:
+            raise CheckFailed(f"{task}: {name} " + "; ".join(problems) + ".")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One graded check. Called in the notebook: ``check(*learner_functions, cluster)``, or with
+    ``world_size=`` (a pool of that size is started) and ``seed=`` (other inputs; grading draws one)."""
+    task: str
+    params: tuple                          # the exercise's function names, e.g. ("unshard", "reshard")
+    collect: Callable                      # collect(fns, pool, seed) -> plain data; pool is None if local
+    judge: Callable                        # judge(data, world_size, seed) -> success text
+    world_sizes: tuple = (4,)              # checked when no cluster is given; () runs in this process
+    forbidden: Mapping[str, str] = field(default_factory=dict)
+    every_size: bool = False               # with a cluster, check every one of world_sizes anyway
+
+    @property
+    def local(self) -> bool:
+        return not self.world_sizes
+
+    def sizes(self, cluster=None, world_size=None) -> tuple:
+        if self.local:
+            return (None,)
+        if world_size is not None:
+            return (int(world_size),)
+        if cluster is not None and not self.every_size:
+            return (cluster.world_size,)
+        return self.world_sizes
+
+    def __call__(self, *args, world_size=None, seed=None) -> None:
+        __tracebackhide__ = True
+        cluster = args[-1] if args and isinstance(args[-1], Cluster) else None
+        fns = args[:-1] if cluster is not None else args
+        if len(fns) != len(self.params):
+            raise TypeError(f"{self.task}'s check takes {', '.join(self.params)} (and the cluster), "
+                            f"got {len(fns)} function(s)")
+        vet(self.task, self.params, fns, self.forbidden)
+        sizes = self.sizes(cluster, world_size)
+        with pools(cluster, sizes) as ranks:
+            for size, pool in zip(sizes, ranks):
+                passed(self.task, self.judge(self.collect(fns, pool, seed), size, seed))

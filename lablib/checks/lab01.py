@@ -7,34 +7,43 @@ import random
 import torch
 
 from ..memory import STAGE_NAMES, zero_formula
-from ..pool import Cluster
 from ..strategies.flat import FlatLayout
 from ..strategies.fsdp import ZeRO3
 from ..strategies.harness import Optimizer, reference, train
 from ..strategies.zero import ZeRO1, ZeRO2
 from ..toy import build_model
-from . import CheckFailed, call_local, passed, run_on_ranks
+from . import Check, CheckFailed, call_local, run_on_ranks
 
 # -- Task 1.1: a rank's flat shard ---------------------------------------------------------------------
-FLAT_CASES = [(numel, n) for numel in (1, 5, 7, 8, 13) for n in (1, 2, 3, 4)]
+def flat_cases(seed: int | None = None) -> list[tuple[int, int]]:
+    if seed is None:
+        return [(numel, n) for numel in (1, 5, 7, 8, 13) for n in (1, 2, 3, 4)]
+    rng = random.Random(seed)
+    return [(rng.randint(1, 40), n) for _ in range(5) for n in (1, 2, 3, 4, 5)]
 
 
-def flat_shard_job(fn, task="Task 1.1") -> list:
-    """The learner's shard of every case: [(numel, n, [shard of rank 0, ...]), ...]."""
+def collect_flat_shard(fns, pool, seed, task="Task 1.1") -> list:
+    """The learner's shard of every case: [[shard of rank 0, ...] per case]."""
+    (fn,) = fns
     out = []
-    for numel, n in FLAT_CASES:
+    for numel, n in flat_cases(seed):
         flat = torch.arange(1, numel + 1, dtype=torch.float32)
-        out.append((numel, n, [call_local(task, fn, f"a flat buffer of {numel} elements, world_size={n}, rank={rank}",
-                                          "Every rank gets a shard of the same size, even when there are fewer "
-                                          "elements than ranks: pad first, then slice.", flat.clone(), n, rank)
-                               for rank in range(n)]))
+        out.append([call_local(task, fn, f"a flat buffer of {numel} elements, world_size={n}, rank={rank}",
+                               "Every rank gets a shard of the same size, even when there are fewer "
+                               "elements than ranks: pad first, then slice.", flat.clone(), n, rank)
+                    for rank in range(n)])
     return out
 
 
-def judge_flat_shard(data, task="Task 1.1") -> str:
-    for numel, n, shards in data:
+def judge_flat_shard(data, world_size=None, seed=None, task="Task 1.1") -> str:
+    cases = flat_cases(seed)
+    if not isinstance(data, list) or len(data) != len(cases):
+        raise CheckFailed(f"{task}: expected the shards of {len(cases)} cases.")
+    for (numel, n), shards in zip(cases, data):
         layout = FlatLayout(((numel,),), n)
         padded = layout.flatten([torch.arange(1, numel + 1, dtype=torch.float32)])
+        if not isinstance(shards, list) or len(shards) != n:
+            raise CheckFailed(f"{task}: expected {n} shards for {numel} elements on {n} ranks.")
         for rank, got in enumerate(shards):
             start, end = layout.shard_bounds(rank)
             want = padded[start:end]
@@ -50,36 +59,43 @@ def judge_flat_shard(data, task="Task 1.1") -> str:
                     f"{task}: with {numel} elements on {n} ranks, rank {rank}'s shard is {got.tolist()}, "
                     f"expected {want.tolist()}: rank r holds elements [r*s, (r+1)*s) of the padded buffer "
                     f"(s = {want.numel()}), and the padding is zeros at the very end.")
-    cases = sum(n for _, n, _ in data)
-    return f": {cases} shards for 1-4 ranks and 1-13 elements, padding included"
+    numels = [numel for numel, _ in cases]
+    return f": {sum(n for _, n in cases)} shards for 1-{max(n for _, n in cases)} ranks and {min(numels)}-{max(numels)} elements, padding included"
 
 
-def check_flat_shard(fn) -> None:
-    """Task 1.1: pad a flat buffer to a multiple of world_size; rank r gets the r-th equal slice."""
-    __tracebackhide__ = True
-    passed("Task 1.1", judge_flat_shard(flat_shard_job(fn)))
+_ANSWERS = {"FlatLayout": "it is lablib's answer to this task; write the arithmetic yourself"}
+
+check_flat_shard = Check("Task 1.1", ("flat_shard",), collect_flat_shard, judge_flat_shard, world_sizes=(),
+                         forbidden=_ANSWERS)
+"""Task 1.1: pad a flat buffer to a multiple of world_size; rank r gets the r-th equal slice."""
 
 
 # -- Task 1.2: which part of which parameter a shard holds ------------------------------------------------
-def slice_cases() -> list[list[int]]:
-    rng = random.Random(1)
+def slice_cases(seed: int | None = None) -> list[list[int]]:
+    rng = random.Random(1 if seed is None else seed)
     cases = [[518, 1406, 266], [10, 2], [3], [4, 4], [1, 1, 1, 1, 1]]
     cases += [[p.numel() for p in unit.parameters()] for unit in build_model("transformer")]
     return cases + [[rng.randint(1, 20) for _ in range(rng.randint(1, 5))] for _ in range(30)]
 
 
-def shard_slices_job(fn, task="Task 1.2") -> list:
-    """The learner's slices for every case: [(numels, n, [slices of rank 0, ...]), ...]."""
-    return [(numels, n, [call_local(task, fn, f"numels={list(numels)}, world_size={n}, rank={rank}",
-                                    "Parameters are laid out in order in the flat buffer; a rank's shard is "
-                                    "[rank*s, (rank+1)*s) with s = ceil(total/world_size).", list(numels), n, rank)
-                         for rank in range(n)])
-            for numels in slice_cases() for n in (1, 2, 3, 4)]
+def collect_shard_slices(fns, pool, seed, task="Task 1.2") -> list:
+    """The learner's slices for every case and world size 1-4: [[slices of rank 0, ...], ...]."""
+    (fn,) = fns
+    return [[call_local(task, fn, f"numels={list(numels)}, world_size={n}, rank={rank}",
+                        "Parameters are laid out in order in the flat buffer; a rank's shard is "
+                        "[rank*s, (rank+1)*s) with s = ceil(total/world_size).", list(numels), n, rank)
+             for rank in range(n)]
+            for numels in slice_cases(seed) for n in (1, 2, 3, 4)]
 
 
-def judge_shard_slices(data, task="Task 1.2") -> str:
-    for numels, n, per_rank in data:
+def judge_shard_slices(data, world_size=None, seed=None, task="Task 1.2") -> str:
+    cases = [(numels, n) for numels in slice_cases(seed) for n in (1, 2, 3, 4)]
+    if not isinstance(data, list) or len(data) != len(cases):
+        raise CheckFailed(f"{task}: expected the slices of {len(cases)} cases.")
+    for (numels, n), per_rank in zip(cases, data):
         layout = FlatLayout(tuple((k,) for k in numels), n)
+        if not isinstance(per_rank, list) or len(per_rank) != n:
+            raise CheckFailed(f"{task}: expected the slices of {n} ranks for {numels}.")
         for rank, got in enumerate(per_rank):
             want = [(s.param, s.param_start, s.shard_start, s.length) for s in layout.shard_slices(rank)]
             try:
@@ -97,14 +113,12 @@ def judge_shard_slices(data, task="Task 1.2") -> str:
                             "of the parameter, shard_start from the start of this rank's shard.")
                 raise CheckFailed(f"{task}: for parameters of {numels} elements on {n} ranks (shard size "
                                   f"{layout.shard_numel}), rank {rank} should hold {want}, got {got}.{hint}")
-    shards = sum(len(per_rank) for _, _, per_rank in data)
-    return f": {shards} shards of {len(data) // 4} parameter lists on 1-4 ranks"
+    return f": {sum(n for _, n in cases)} shards of {len(cases) // 4} parameter lists on 1-4 ranks"
 
 
-def check_shard_slices(fn) -> None:
-    """Task 1.2: which part of which parameter each rank's shard holds."""
-    __tracebackhide__ = True
-    passed("Task 1.2", judge_shard_slices(shard_slices_job(fn)))
+check_shard_slices = Check("Task 1.2", ("shard_slices",), collect_shard_slices, judge_shard_slices, world_sizes=(),
+                           forbidden=_ANSWERS)
+"""Task 1.2: which part of which parameter each rank's shard holds."""
 
 
 # -- Tasks 1.3-1.5: ZeRO steps, trained on the ranks ------------------------------------------------------
@@ -139,17 +153,22 @@ def train_job(strategy) -> dict:
     return {model: train(strategy, model, STEPS, Optimizer(), False) for model in MODELS}
 
 
-def judge_zero(task: str, stage: str, per_rank: list[dict]) -> str:
-    n, worst = len(per_rank), 0.0
+def judge_zero(task: str, stage: str, per_rank: list, n: int) -> str:
+    if not isinstance(per_rank, list) or len(per_rank) != n:
+        raise CheckFailed(f"{task}: expected one result per rank from {n} ranks.")
+    worst = 0.0
     for model in MODELS:
         ref = reference(model, STEPS, n)
         for rank, result in enumerate(r[model] for r in per_rank):
+            if len(result["params"]) != len(ref):
+                raise CheckFailed(f"{task}: rank {rank} returned {len(result['params'])} units, expected {len(ref)}.")
             err = max((got - want).abs().max().item() for got, want in zip(result["params"], ref))
             worst = max(worst, err)
             if not err <= 1e-6:
                 raise CheckFailed(f"{task}: after {STEPS} steps of the {model}, rank {rank}'s parameters differ from "
                                   f"the single-process reference by {err:.2e} (tolerance 1e-6). {_STAGE_HINTS[stage]}")
-            expected = zero_formula(stage, result["psi"], n, mixed=False, state_bytes=4)
+            expected = zero_formula(stage, sum(u.numel() + (-u.numel()) % n for u in ref), n, mixed=False,
+                                    state_bytes=4)
             for kind in ("params", "grads", "optimizer"):
                 if result["memory"][kind] != expected[kind]:
                     hint = _MEMORY_HINTS.get((stage, kind), _STAGE_HINTS[stage])
@@ -160,25 +179,20 @@ def judge_zero(task: str, stage: str, per_rank: list[dict]) -> str:
             f"{worst:.1e}), and each rank holds exactly what {STAGE_NAMES[stage]} keeps")
 
 
-def _check_zero(task, strategy, cluster):
-    __tracebackhide__ = True
-    per_rank = run_on_ranks(cluster, task, train_job, strategy, hints=_RANK_HINTS)
-    passed(task, judge_zero(task, strategy.name, per_rank))
+def _zero_check(task: str, stage: str, make, params: tuple) -> Check:
+    def collect(fns, pool, seed):
+        return run_on_ranks(pool, task, train_job, make(*fns), hints=_RANK_HINTS)
+
+    def judge(data, world_size, seed):
+        return judge_zero(task, stage, data, world_size)
+
+    return Check(task, params, collect, judge, world_sizes=(4,))
 
 
-def check_zero1(step, cluster: Cluster) -> None:
-    """Task 1.3: the learner's ZeRO-1 step."""
-    __tracebackhide__ = True
-    _check_zero("Task 1.3", ZeRO1(step=step), cluster)
-
-
-def check_zero2(step, cluster: Cluster) -> None:
-    """Task 1.4: the learner's ZeRO-2 step."""
-    __tracebackhide__ = True
-    _check_zero("Task 1.4", ZeRO2(step=step), cluster)
-
-
-def check_zero3(unshard, reshard, cluster: Cluster) -> None:
-    """Task 1.5: the learner's ZeRO-3 unshard and reshard."""
-    __tracebackhide__ = True
-    _check_zero("Task 1.5", ZeRO3(unshard=unshard, reshard=reshard), cluster)
+check_zero1 = _zero_check("Task 1.3", "zero1", lambda step: ZeRO1(step=step), ("zero1_step",))
+"""Task 1.3: the learner's ZeRO-1 step."""
+check_zero2 = _zero_check("Task 1.4", "zero2", lambda step: ZeRO2(step=step), ("zero2_step",))
+"""Task 1.4: the learner's ZeRO-2 step."""
+check_zero3 = _zero_check("Task 1.5", "zero3", lambda unshard, reshard: ZeRO3(unshard=unshard, reshard=reshard),
+                          ("unshard", "reshard"))
+"""Task 1.5: the learner's ZeRO-3 unshard and reshard."""

@@ -2,56 +2,80 @@
 on 2, 3 and 4 ranks, several dtypes and sizes, sending exactly the ring's messages."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from ..comm import ring_steps
-from ..pool import Cluster
-from . import CheckFailed, passed, pools, run_on_ranks
+from . import Check, CheckFailed, run_on_ranks
+from .policy import COLLECTIVES
 
-_RING_CASES = [(torch.float32, 1), (torch.float32, 7), (torch.float64, 1000), (torch.int64, 5), (torch.bfloat16, 64)]
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bfloat16": torch.bfloat16}
+
+
+def ring_cases(seed: int | None = None) -> list[tuple[str, int]]:
+    """(dtype, chunk size) cases: fixed ones, or ones drawn from ``seed``."""
+    if seed is None:
+        return [("float32", 1), ("float32", 7), ("float64", 1000), ("int64", 5), ("bfloat16", 64)]
+    rng = random.Random(seed)
+    return [(dtype, rng.randint(1, 300)) for dtype in _DTYPES]
+
+
 _TORCH_NAME = {"all_gather": "dist.all_gather_into_tensor", "reduce_scatter": "dist.reduce_scatter_tensor",
                "all_reduce": "dist.all_reduce"}
 
 
-def ring_job(fn, op: str) -> list:
-    """On each rank: the learner's ring and torch's collective on the same inputs, for every case."""
+def ring_input(op: str, n: int, rank: int, dtype: str, chunk: int, seed=None) -> torch.Tensor:
+    """Rank ``rank``'s input in one case (the same on the ranks and in the judge)."""
+    g = torch.Generator().manual_seed(100 * rank + chunk + (seed or 0))
+    numel = chunk if op == "all_gather" else chunk * n - (1 if op == "all_reduce" and n > 1 else 0)
+    return (torch.randn(numel, generator=g) * 8).to(_DTYPES[dtype])  # all-reduce: a size n does not divide
+
+
+def expected(op: str, n: int, rank: int, dtype: str, chunk: int, seed=None) -> torch.Tensor:
+    """What torch.distributed's collective leaves on ``rank``, computed in one process (in float64)."""
+    xs = [ring_input(op, n, r, dtype, chunk, seed).double() for r in range(n)]
+    if op == "all_gather":
+        return torch.cat(xs)
+    total = torch.stack(xs).sum(0)
+    return total if op == "all_reduce" else total[rank * chunk:(rank + 1) * chunk]
+
+
+def ring_job(fn, op: str, seed=None) -> list:
+    """On each rank, for every case: the learner's result, the bytes of each message it sent through
+    lablib, and the library collectives it called."""
     import torch.distributed as dist
 
-    from ..comm import all_gather_single, reduce_scatter_single
     from ..timeline import RECORDER
 
     rank, n = dist.get_rank(), dist.get_world_size()
     out = []
-    for dtype, chunk in _RING_CASES:
-        g = torch.Generator().manual_seed(100 * rank + chunk)
-        numel = chunk * n - (1 if op == "all_reduce" and n > 1 else 0)  # all-reduce: a size n does not divide
-        x = (torch.randn(numel if op != "all_gather" else chunk, generator=g) * 8).to(dtype)
+    for dtype, chunk in ring_cases(seed):
+        x = ring_input(op, n, rank, dtype, chunk, seed)
         before = len(RECORDER.spans)
-        if op == "all_gather":
-            got, want = torch.zeros(chunk * n, dtype=dtype), torch.empty(chunk * n, dtype=dtype)
-            fn(got, x.clone())
-            all_gather_single(want, x.clone())
-        elif op == "reduce_scatter":
-            got, want = torch.zeros(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype)
-            fn(got, x.clone())
-            reduce_scatter_single(want, x.clone())
-        else:
-            got, want = x.clone(), x.clone()
+        if op == "all_reduce":
+            got = x.clone()
             fn(got)
-            dist.all_reduce(want)
-        comm_ops = [s.meta.get("op") for s in RECORDER.spans[before:] if s.kind == "comm"]
-        sends = comm_ops.count("send")
-        collectives = set(comm_ops) & set(_TORCH_NAME)
-        out.append((str(dtype).replace("torch.", ""), chunk, got, want, sends, sorted(collectives)))
+        else:
+            got = torch.zeros(chunk * n if op == "all_gather" else chunk, dtype=x.dtype)
+            fn(got, x.clone())
+        comm = [s for s in RECORDER.spans[before:] if s.kind == "comm"]
+        sent = [s.bytes or 0 for s in comm if s.meta.get("op") == "send"]
+        collectives = {s.meta.get("op") for s in comm} & set(_TORCH_NAME)
+        out.append([got, sent, sorted(collectives)])
     return out
 
 
-
-def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str) -> None:
-    """Raises CheckFailed at the first case where a rank's result or message count is wrong."""
-    steps = ring_steps(op, n)
-    for rank, cases in enumerate(per_rank):
-        for dtype, chunk, got, want, sends, collectives in cases:
+def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str, seed=None) -> str:
+    """Raises CheckFailed at the first case where a rank's result or messages are wrong."""
+    steps, cases = ring_steps(op, n), ring_cases(seed)
+    if not isinstance(per_rank, list) or len(per_rank) != n:
+        raise CheckFailed(f"{task}: expected one result per rank from {n} ranks.")
+    for rank, results in enumerate(per_rank):
+        if not isinstance(results, list) or len(results) != len(cases):
+            raise CheckFailed(f"{task}: expected {len(cases)} results from rank {rank}.")
+        for (dtype, chunk), (got, sent, collectives) in zip(cases, results):
+            sends = len(sent)
             where = f"{fn_name} on {n} ranks, {dtype}, chunks of {chunk}"
             if collectives:
                 raise CheckFailed(f"{task}: {where}: rank {rank} called {', '.join(collectives)}. Build the ring "
@@ -61,54 +85,48 @@ def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str) -> None
                     f"{task}: {where}: rank {rank} sent {sends} message(s) through lablib's send/isend, the ring "
                     f"sends {steps} ({'2 x ' if op == 'all_reduce' else ''}N-1 steps, one message each). "
                     "Use lablib.send/recv/isend/irecv (so the timeline can show the ring), one send per step.")
-            if got.shape != want.shape:
-                raise CheckFailed(f"{task}: {where}: rank {rank}'s output has shape {tuple(got.shape)}, "
-                                  f"expected {tuple(want.shape)}")
-            tol = 0 if not want.is_floating_point() else \
-                (64 if want.dtype == torch.bfloat16 else 4) * torch.finfo(want.dtype).eps * n * 8 * 4
+            chunk_bytes = chunk * _DTYPES[dtype].itemsize  # the all-reduce's padded chunk too
+            if any(b != chunk_bytes for b in sent):
+                raise CheckFailed(
+                    f"{task}: {where}: rank {rank} sent messages of {sorted(set(sent))} bytes; each ring step "
+                    f"sends one chunk, {chunk_bytes} bytes. Send whole chunks, one per step.")
+            want = expected(op, n, rank, dtype, chunk, seed)
+            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+                raise CheckFailed(f"{task}: {where}: rank {rank}'s output has shape "
+                                  f"{tuple(getattr(got, 'shape', ()))}, expected {tuple(want.shape)}")
+            kind = _DTYPES[dtype]
+            tol = 0 if not kind.is_floating_point else (64 if kind == torch.bfloat16 else 4) * torch.finfo(kind).eps * n * 8 * 4
             diff = (got.double() - want.double()).abs()
             if diff.max().item() > tol:
                 bad = sorted({int(i) // max(chunk, 1) for i in (diff > tol).nonzero().flatten().tolist()})
                 raise CheckFailed(
-                    f"{task}: {where}: rank {rank}'s result differs from {_TORCH_NAME[op]}'s "
+                    f"{task}: {where}: rank {rank}'s result differs from what {_TORCH_NAME[op]} gives "
                     f"(by up to {diff.max().item():.3g}) in chunk(s) {bad[:6]}. {_RING_OP_HINTS[op]}")
 
 
-def _check_ring(task: str, fn, op: str, cluster: Cluster) -> None:
-    __tracebackhide__ = True
-    sizes = []
-    with pools(cluster) as ranks:
-        for pool in ranks:
-            per_rank = run_on_ranks(pool, task, ring_job, fn, op, hints=_RING_HINTS)
-            judge_ring(task, op, pool.world_size, per_rank, getattr(fn, "__name__", "your function"))
-            sizes.append(pool.world_size)
-    passed(task, f": {op.replace('_', '-')} matches {_TORCH_NAME[op]} on {', '.join(map(str, sizes))} ranks for "
-                 f"{len(_RING_CASES)} dtype/size cases, with {'2(N-1)' if op == 'all_reduce' else 'N-1'} messages "
-                 "per rank")
+def _ring_check(task: str, op: str, params: tuple, forbidden: dict) -> Check:
+    def collect(fns, pool, seed):
+        return run_on_ranks(pool, task, ring_job, fns[0], op, seed, hints=_RING_HINTS)
+
+    def judge(data, world_size, seed):
+        judge_ring(task, op, world_size, data, params[0], seed)
+        return (f": {op.replace('_', '-')} matches {_TORCH_NAME[op]} on {world_size} ranks for "
+                f"{len(ring_cases(seed))} dtype/size cases, with {'2(N-1)' if op == 'all_reduce' else 'N-1'} "
+                "messages per rank")
+
+    return Check(task, params, collect, judge, world_sizes=(2, 3, 4), forbidden=forbidden, every_size=True)
 
 
-def check_ring_blocking(fn, cluster: Cluster) -> None:
-    """Task 2.1: ring all-gather with blocking send and recv."""
-    __tracebackhide__ = True
-    _check_ring("Task 2.1", fn, "all_gather", cluster)
-
-
-def check_ring_all_gather(fn, cluster: Cluster) -> None:
-    """Task 2.2: ring all-gather with isend and irecv."""
-    __tracebackhide__ = True
-    _check_ring("Task 2.2", fn, "all_gather", cluster)
-
-
-def check_ring_reduce_scatter(fn, cluster: Cluster) -> None:
-    """Task 2.3: ring reduce-scatter."""
-    __tracebackhide__ = True
-    _check_ring("Task 2.3", fn, "reduce_scatter", cluster)
-
-
-def check_ring_all_reduce(fn, cluster: Cluster) -> None:
-    """Task 2.4: ring all-reduce (pad, reduce-scatter, all-gather, unpad)."""
-    __tracebackhide__ = True
-    _check_ring("Task 2.4", fn, "all_reduce", cluster)
+_BLOCKING = {**COLLECTIVES, **{name: "Task 2.1 asks for blocking lablib.send and lablib.recv (isend/irecv come "
+                                    "in Task 2.2)" for name in ("isend", "irecv")}}
+check_ring_blocking = _ring_check("Task 2.1", "all_gather", ("ring_all_gather_blocking",), _BLOCKING)
+"""Task 2.1: ring all-gather with blocking send and recv."""
+check_ring_all_gather = _ring_check("Task 2.2", "all_gather", ("ring_all_gather",), COLLECTIVES)
+"""Task 2.2: ring all-gather with isend and irecv."""
+check_ring_reduce_scatter = _ring_check("Task 2.3", "reduce_scatter", ("ring_reduce_scatter",), COLLECTIVES)
+"""Task 2.3: ring reduce-scatter."""
+check_ring_all_reduce = _ring_check("Task 2.4", "all_reduce", ("ring_all_reduce",), COLLECTIVES)
+"""Task 2.4: ring all-reduce (pad, reduce-scatter, all-gather, unpad)."""
 
 
 _DEADLOCK = "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint below)."

@@ -1,27 +1,34 @@
-"""Grading (``lablib grade``): every learner's notebooks re-executed under ``pytest --nbval-lax`` after
-each graded cell is restored from the release (an edited or deleted check is put back and reported),
-then a gradebook (CSV) and a report per learner. See ``lablib grade --help``.
+"""Grading (``lablib grade``): each learner's exercise code runs in a box, the data it produces is judged
+outside the box, and a gradebook (CSV) and a report per learner are written. See ``lablib grade --help``
+and the README's "For instructors".
+
+Per learner: every notebook is read as data (never run whole). exercises.py takes the exercise code and
+the check calls of the instructor's release (plus the hidden ones of the source), refuses code that
+breaks the rules, and runner.py, inside the box (sandbox.py), runs the rest: the learner's definitions
+and each check's ``collect``. Here each check's ``judge`` reads the plain data (plain.py) and computes
+its own reference. Quizzes are scored from the answers file with the instructor's banks. A submission
+that cannot be read is graded "invalid: reason", and grading goes on with the next learner.
 """
 from __future__ import annotations
 
-import copy
 import csv
+import io
 import json
 import os
-import re
+import secrets
 import shutil
-import signal
-import subprocess
+import stat
 import sys
 import tempfile
-import uuid
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..paths import SANITIZE
-from .notebook import ANSWERS, blank, checksum, grade_info, read_notebook
-from .release import release_notebook
+from ..checks import CheckFailed
+from .exercises import check_calls, exercise_code, normalised, refusal, solutions
+from .limits import CHECK_TIMEOUT, TIME_LIMIT
+from .notebook import ANSWERS
+
+MAX_FILE = 50 << 20          # bytes of one submitted file
 
 
 @dataclass
@@ -32,7 +39,7 @@ class Item:
     kind: str            # "check" or "quiz"
     points: float
     max_points: float
-    status: str          # passed / failed / timed out / not run / correct / wrong / unanswered / missing notebook
+    status: str          # passed / failed / refused / not run / invalid / missing notebook / the quiz's statuses
     detail: str = ""
 
 
@@ -41,8 +48,9 @@ class LabResult:
     learner: str
     lab: str
     items: list[Item] = field(default_factory=list)
-    tampered: list[str] = field(default_factory=list)
-    note: str = ""
+    notes: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)   # for the instructor: code that matches a solution
+    feedback: str = ""
 
     @property
     def points(self) -> float:
@@ -53,254 +61,300 @@ class LabResult:
         return sum(i.max_points for i in self.items)
 
 
+class Invalid(ValueError):
+    """A submitted file that cannot be graded; the message says why."""
+
+
 def reports_dir(gradebook) -> Path:
     """Where the per-learner reports of ``gradebook.csv`` go: ``gradebook-reports/`` beside it."""
     gradebook = Path(gradebook)
     return gradebook.with_name(gradebook.stem + "-reports")
 
 
-def restore_graded_cells(submitted, released, reference=None) -> tuple[object, list[str]]:
-    """The submitted notebook with every graded cell put back as in ``reference`` (default: the
-    release; the source's version when hidden checks should run too).
-
-    Returns (notebook, reports): a report per graded cell that differs from the release (edited) or
-    is missing (deleted). A deleted cell is re-inserted after the cell that precedes it in the release
-    (matched by grade id or source)."""
-    reference = reference or released
-    nb = copy.deepcopy(submitted)
-    ref_cells = released["cells"]
-    as_released = {grade_info(c)["grade_id"]: c for c in ref_cells if grade_info(c)}
-    graded = {grade_info(c)["grade_id"]: c for c in reference["cells"] if grade_info(c)}
-    reports, kept, seen = [], [], set()
-    for cell in nb["cells"]:
-        info = grade_info(cell)
-        gid = info["grade_id"] if info else None
-        if gid in graded:
-            if gid in seen:
-                reports.append(f"{gid}: duplicated; the copy was removed")
-                continue
-            seen.add(gid)
-            if checksum(cell["source"]) != checksum(as_released[gid]["source"]) or info != grade_info(as_released[gid]):
-                reports.append(f"{gid}: edited; restored from the release")
-            cell = blank(graded[gid])
-        kept.append(cell)
-    for i, ref in enumerate(ref_cells):
-        info = grade_info(ref)
-        if not info or info["grade_id"] in seen:
-            continue
-        # Re-insert after the reference's previous cell, found in the submission by grade id or source.
-        position = 0
-        for prev in reversed(ref_cells[:i]):
-            pinfo = grade_info(prev)
-            match = next((k for k, c in enumerate(kept) if (pinfo and grade_info(c) == pinfo)
-                          or (not pinfo and c["source"].strip() == prev["source"].strip() and prev["source"].strip())), None)
-            if match is not None:
-                position = match + 1
-                break
-        kept.insert(position, blank(graded[info["grade_id"]]))
-        seen.add(info["grade_id"])
-        reports.append(f"{info['grade_id']}: deleted; restored from the release")
-    nb["cells"] = kept
-    return nb, reports
-
-
-def _code_cell_ids(nb) -> dict[int, str]:
-    """nbval's "Cell N" (N counts code cells) -> grade id, for graded cells."""
-    out, n = {}, 0
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code":
-            info = grade_info(cell)
-            if info:
-                out[n] = info["grade_id"]
-            n += 1
-    return out
-
-
-def _junit_results(path: Path) -> dict[tuple[str, int], tuple[str, str]]:
-    """{(notebook file name, cell number): (status, message)} from pytest's JUnit XML."""
-    results = {}
-    if not path.exists():
-        return results
-    for case in ET.parse(path).getroot().iter("testcase"):
-        m = re.match(r"Cell (\d+)$", case.get("name", ""))
-        if not m:
-            continue
-        notebook = case.get("classname", "").split(".ipynb")[0].split(".")[-1].split("/")[-1] + ".ipynb"
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
-        if failure is not None:
-            text = (failure.get("message", "") + "\n" + (failure.text or "")).strip()
-            status = "timed out" if "Timeout of" in text else "failed"
-            results[(notebook, int(m.group(1)))] = (status, _clean_failure(text))
-        elif case.find("skipped") is not None:
-            results[(notebook, int(m.group(1)))] = ("not run", "skipped")
-        else:
-            results[(notebook, int(m.group(1)))] = ("passed", "")
-    return results
-
-
-def _clean_failure(text: str) -> str:
-    """The last lines that explain a failed cell: the error and its message, without colour codes."""
-    text = re.sub(r"(\x1b|#x1B)\[[0-9;]*m", "", text)  # colours, raw or as JUnit XML escapes them
-    lines = [line for line in text.splitlines() if line.strip()]
-    timeout = next((line.strip() for line in lines if "Timeout of" in line), None)
-    if timeout:
-        return timeout + " (the kernel was interrupted, and grading went on with the next cell)"
-    for k in range(len(lines) - 1, -1, -1):  # from the last exception line on
-        if re.match(r"(\w+\.)*\w*(Error|Exception|Interrupt|Failed)\b", lines[k].strip()):
-            return "\n".join(lines[k:k + 12])
-    return "\n".join(lines[-8:])
-
-
-def _kill_tagged(tag: str):
-    """Kill every process whose environment carries ``LABLIB_GRADE_TAG=tag`` (kernels, their ranks)."""
-    needle = f"LABLIB_GRADE_TAG={tag}".encode()
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-
-
-def _run_nbval(workdir: Path, notebooks: list[str], cell_timeout: float, total_timeout: float) -> tuple[Path, str]:
-    junit = workdir / ".junit.xml"
-    tag = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LABLIB_ANSWERS")}
-    env["LABLIB_GRADE_TAG"] = tag
-    env["LABLIB_QUICK"] = "1"  # grading checks the work; the labs' long measurements need not run in full
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "--nbval-lax",
-           "--nbval-current-env", f"--nbval-cell-timeout={cell_timeout:g}", f"--junitxml={junit}",
-           "--rootdir", str(workdir), "-q"]
-    if SANITIZE.exists():
-        cmd.append(f"--nbval-sanitize-with={SANITIZE}")
-    proc = subprocess.Popen(cmd + notebooks, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    note = ""
+# -- reading what a learner submitted ------------------------------------------------------------------
+def read_file(path: Path) -> str:
+    """A submitted file's text: a plain file (not a link, not a folder), at most MAX_FILE bytes."""
     try:
-        out, _ = proc.communicate(timeout=total_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        note = f"grading stopped after {total_timeout:.0f} s; cells not reached count as not run"
-    finally:
-        _kill_tagged(tag)  # nothing the learner's notebook started outlives its grading
-    if proc.returncode not in (0, 1) and not junit.exists():
-        note = note or f"pytest could not run this learner's notebooks:\n{out[-2000:]}"
-    return junit, note
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise Invalid(f"{path.name} cannot be opened ({exc.strerror}); submit a plain file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Invalid(f"{path.name} is not a plain file")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_FILE + 1)
+    if len(raw) > MAX_FILE:
+        raise Invalid(f"{path.name} is over {MAX_FILE >> 20} MB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Invalid(f"{path.name} is not UTF-8 text") from None
 
 
-def grade(submissions, release_dir, out, source_dir=None, cell_timeout: float = 120.0) -> list[LabResult]:
-    """Grade every learner folder in ``submissions``; write the gradebook CSV ``out`` and a report per
-    learner in ``reports_dir(out)``. Returns the results."""
+def read_submission(path: Path) -> dict:
+    """A submitted notebook as plain JSON, every cell checked for the fields grading reads."""
+    try:
+        nb = json.loads(read_file(path))
+    except ValueError as exc:
+        raise Invalid(f"{path.name} is not valid JSON ({exc})") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise Invalid(f"{path.name} is not a notebook: no list of cells")
+    for k, cell in enumerate(nb["cells"]):
+        where = f"{path.name}, cell {k}"
+        if not isinstance(cell, dict):
+            raise Invalid(f"{where} is not an object")
+        if cell.get("cell_type") not in ("code", "markdown", "raw"):
+            raise Invalid(f"{where} has no valid cell_type")
+        source = cell.get("source")
+        if isinstance(source, list) and all(isinstance(s, str) for s in source):
+            cell["source"] = "".join(source)
+        elif not isinstance(source, str):
+            raise Invalid(f"{where} has no source text")
+        metadata = cell.setdefault("metadata", {})
+        if not isinstance(metadata, dict):
+            raise Invalid(f"{where} has metadata that is not an object")
+        info = metadata.get("lablib")
+        if info is not None and not (isinstance(info, dict) and isinstance(info.get("grade_id", ""), str)):
+            raise Invalid(f"{where} has lablib metadata that is not an object with a text grade_id")
+    return nb
+
+
+def read_answers(folder: Path) -> tuple[dict, str]:
+    """(the answers mapping, a note) from the learner's quiz_answers.json; {} with a note when unreadable."""
+    try:
+        data = json.loads(read_file(folder / ANSWERS))
+    except FileNotFoundError:
+        return {}, ""
+    except (Invalid, ValueError) as exc:
+        return {}, f"invalid: {ANSWERS}: {exc}"
+    answers = data.get("answers") if isinstance(data, dict) else None
+    if not isinstance(answers, dict):
+        return {}, f"invalid: {ANSWERS} holds no answers mapping"
+    return answers, ""
+
+
+# -- grading -----------------------------------------------------------------------------------------
+@dataclass
+class Course:
+    """What every learner is graded against: trusted notebooks, check calls, banks, the run's seed."""
+    releases: dict
+    calls: dict            # notebook name -> {grade_id: [Call]}
+    points: dict           # notebook name -> {grade_id: points}
+    solutions: dict        # notebook name -> {function name: ast.FunctionDef}
+    banks: dict
+    seed: int
+    check_timeout: float
+    time_limit: float
+
+
+def grade(submissions, release_dir, out, source_dir=None, check_timeout: float = CHECK_TIMEOUT,
+          time_limit: float = TIME_LIMIT, seed: int | None = None, banks_dir=None) -> list[LabResult]:
+    """Grade every learner folder in ``submissions``; write the gradebook CSV ``out`` (after each learner,
+    atomically) and a report per learner in ``reports_dir(out)``. Returns the results."""
+    from ..quiz.bank import default_dir, load_all
+    from .notebook import read_notebook
+
     submissions, release_dir, out = Path(submissions), Path(release_dir), Path(out)
     releases = {p.name: read_notebook(p) for p in sorted(release_dir.glob("*.ipynb"))}
     if not releases:
         raise FileNotFoundError(f"{release_dir}: no released notebooks to grade against")
     if not submissions.is_dir():
         raise FileNotFoundError(f"{submissions}: no such folder of submissions (one folder per learner)")
-    references = dict(releases)
-    if source_dir is not None:  # hidden checks run too: graded cells come from the source
-        references = {name: release_notebook(read_notebook(Path(source_dir) / name), name,
-                                             keep_hidden=True) for name in releases}
-    learners = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
+    sources = {name: read_notebook(Path(source_dir) / name) for name in releases} if source_dir else {}
+    seed = secrets.randbelow(10 ** 6) if seed is None else seed
+    course = Course(releases, {}, {}, {}, load_all(Path(banks_dir) if banks_dir else default_dir()), seed,
+                    check_timeout, time_limit)
+    for name, nb in releases.items():
+        course.calls[name], course.points[name] = check_calls(nb, sources.get(name), seed)
+        course.solutions[name] = solutions(sources[name]) if name in sources else {}
+    learners = sorted(p for p in submissions.iterdir()
+                      if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
     results: list[LabResult] = []
     for folder in learners:
-        results += _grade_learner(folder, releases, references, cell_timeout)
-    _write_gradebook(results, out)
-    _write_reports(results, reports_dir(out))
+        try:
+            labs = grade_learner(folder, course)
+        except Exception as exc:  # noqa: BLE001 - one learner never stops the others
+            labs = [LabResult(folder.name, Path(n).stem, notes=[f"invalid: grading failed: {type(exc).__name__}: {exc}"])
+                    for n in releases]
+            for lab, name in zip(labs, releases):
+                lab.items = [Item(lab.learner, lab.lab, gid, "check", 0.0, p, "invalid")
+                             for gid, p in course.points[name].items()]
+        results += labs
+        write_gradebook(results, out)
+        write_report(labs, reports_dir(out), course)
     return results
 
 
-def _grade_learner(folder: Path, releases, references, cell_timeout) -> list[LabResult]:
-    from .. import quiz
-
+def grade_learner(folder: Path, course: Course) -> list[LabResult]:
     learner = folder.name
-    work = Path(tempfile.mkdtemp(prefix=f"lablib-grade-{learner}-"))
+    labs, request, pending = {}, [], {}
+    for name in course.releases:
+        lab = labs[name] = LabResult(learner, Path(name).stem)
+        try:
+            nb = read_submission(folder / name)
+        except FileNotFoundError:
+            lab.notes.append("notebook not submitted")
+            lab.items = [Item(learner, lab.lab, gid, "check", 0.0, p, "missing notebook")
+                         for gid, p in course.points[name].items()]
+            continue
+        except Invalid as exc:
+            lab.notes.append(f"invalid: {exc}")
+            lab.items = [Item(learner, lab.lab, gid, "check", 0.0, p, "invalid", str(exc))
+                         for gid, p in course.points[name].items()]
+            continue
+        ex = exercise_code(nb)
+        lab.notes += ex.notes
+        runnable = []
+        for gid, calls in course.calls[name].items():
+            why = next((r for r in (refusal(c, ex) for c in calls) if r), "")
+            if why:
+                lab.items.append(Item(learner, lab.lab, gid, "check", 0.0, course.points[name][gid], "refused", why))
+                continue
+            pending[(name, gid)] = calls
+            runnable += calls
+            for fn in {p for c in calls for p in c.params}:
+                solution = course.solutions[name].get(fn)
+                if solution is not None and normalised(solution) == normalised(ex.functions[fn]):
+                    lab.flags.append(f"{gid}: {fn} matches the solution's code")
+        if runnable:
+            request.append({"lab": lab.lab, "cells": ex.cells, "calls": [
+                {"id": f"{name}:{c.id}", "group": f"{name}:{c.grade_id}", "module": c.module, "check": c.check, "params": list(c.params),
+                 "world_size": c.world_size, "seed": c.seed} for c in runnable]})
+    records, box_note = run_box(request, course) if request else ({}, "")
+    for (name, gid), calls in pending.items():
+        lab = labs[name]
+        lab.items.append(judge(lab, gid, calls, records, name, course.points[name][gid], box_note))
+    for lab in labs.values():
+        lab.items.sort(key=lambda it: list(course.points[f"{lab.lab}.ipynb"]).index(it.item))
+        if box_note:
+            lab.notes.append(box_note)
+    answers, note = read_answers(folder)
+    _quiz(labs, answers, note, course)
+    return list(labs.values())
+
+
+def judge(lab: LabResult, gid: str, calls, records: dict, name: str, points: float, box_note: str) -> Item:
+    """One graded cell's item: passed only when every call (visible and hidden) passed."""
+    from .plain import NotPlain, loads
+
+    texts = []
+    for call in calls:
+        record = records.get(f"{name}:{call.id}")
+        which = " (a hidden check, other inputs)" if call.hidden else ""
+        if record is None:
+            return Item(lab.learner, lab.lab, gid, "check", 0.0, points, "not run",
+                        box_note or "no result came back from the box")
+        if "error" in record:
+            return Item(lab.learner, lab.lab, gid, "check", 0.0, points, "failed", str(record["error"]) + which)
+        try:
+            texts.append(call.spec().judge(loads(record["data"]), call.world_size, call.seed))
+        except CheckFailed as exc:
+            return Item(lab.learner, lab.lab, gid, "check", 0.0, points, "failed", f"{exc}{which}")
+        except (NotPlain, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+            return Item(lab.learner, lab.lab, gid, "check", 0.0, points, "failed",
+                        f"the data your code returned could not be judged ({type(exc).__name__}: {exc}){which}")
+    return Item(lab.learner, lab.lab, gid, "check", points, points, "passed", texts[-1] if texts else "")
+
+
+def run_box(request: list, course: Course) -> tuple[dict, str]:
+    """Run the request in a box; ({call id: record}, a note on how the box ended or "")."""
+    from . import sandbox
+
+    work = Path(tempfile.mkdtemp(prefix="lablib-grade-"))
     try:
-        labs, present = {}, {}  # present: notebook name -> the restored notebook that is run
-        for name, reference in references.items():
-            lab = LabResult(learner, Path(name).stem)
-            labs[name] = lab
-            submitted_path = folder / name
-            if not submitted_path.exists():
-                lab.note = "notebook not submitted"
-                continue
+        nonce = secrets.token_hex(16)
+        (work / "request.json").write_text(json.dumps({"nonce": nonce, "check_timeout": course.check_timeout,
+                                                       "labs": request}))
+        results = work / "results.jsonl"
+        env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+        lablib_dir = Path(__file__).resolve().parents[1]
+        run = sandbox.run([sys.executable, "-m", "lablib.course.runner", str(work / "request.json"), str(results)],
+                          workdir=work, readonly=[Path(sys.prefix), lablib_dir], env=env,
+                          limits=sandbox.Limits(seconds=course.time_limit), cwd=work)
+        wanted = {c["id"] for lab in request for c in lab["calls"]}
+        records, duplicated = {}, set()
+        try:
+            text = read_file(results)
+        except (FileNotFoundError, Invalid):
+            text = ""
+        for line in io.StringIO(text):
             try:
-                submitted = read_notebook(submitted_path)
-            except Exception as exc:  # unreadable JSON: graded 0, grading goes on
-                lab.note = f"notebook could not be read: {exc}"
+                record = json.loads(line)
+            except ValueError:
                 continue
-            restored, lab.tampered = restore_graded_cells(submitted, releases[name], reference)
-            (work / name).write_text(json.dumps(restored, indent=1, ensure_ascii=False))
-            present[name] = restored
-        if (folder / ANSWERS).exists():
-            shutil.copy2(folder / ANSWERS, work / ANSWERS)
-        cells = sum(sum(c["cell_type"] == "code" for c in references[n]["cells"]) for n in present)
-        junit, note = (_run_nbval(work, list(present), cell_timeout, cell_timeout * cells + 300) if present
-                       else (work / ".none", ""))
-        results = _junit_results(junit)
-        store = quiz.AnswerStore(work / ANSWERS)
-        answers = store.load()
-        for name, lab in labs.items():
-            lab.note = lab.note or note
-            points = {info["grade_id"]: float(info["points"]) for info in map(grade_info, references[name]["cells"])
-                      if info}
-            for number, gid in _code_cell_ids(present.get(name, references[name])).items():
-                status, detail = results.get((name, number), ("not run", lab.note))
-                if name not in present:
-                    status, detail = "missing notebook", lab.note
-                lab.items.append(Item(learner, lab.lab, gid, "check", points[gid] if status == "passed" else 0.0,
-                                      points[gid], status, detail))
-            try:
-                lab_questions = quiz.questions(lab.lab)
-            except KeyError:
-                lab_questions = []
-            for q in lab_questions:
-                rec = answers.get(q.ref)
-                status = q.status(rec)
-                lab.items.append(Item(learner, lab.lab, q.ref, "quiz", float(status == "correct"), 1.0, status,
-                                      "" if rec is None else f"attempts: {rec.get('attempts', 1)}"))
-            if store.warning:
-                lab.note = (lab.note + "\n" if lab.note else "") + store.warning
-        return list(labs.values())
+            if not isinstance(record, dict) or record.get("nonce") != nonce or record.get("id") not in wanted:
+                continue
+            if record["id"] in records:
+                duplicated.add(record["id"])
+            records[record["id"]] = record
+        for key in duplicated:
+            records[key] = {"error": "invalid: two results for one check"}
+        notes = []
+        if run.reason:
+            notes.append(f"the grading box stopped: {run.reason}; checks without a result count as not run")
+        elif run.returncode:
+            notes.append(f"the grading box ended with exit code {run.returncode}:\n{run.output[-1500:]}")
+        if run.warning:
+            notes.append(run.warning)
+        return records, "\n".join(notes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _write_gradebook(results: list[LabResult], out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["learner", "lab", "item", "kind", "points", "max_points", "status"])
-        for lab in results:
-            for it in lab.items:
-                writer.writerow([it.learner, it.lab, it.item, it.kind, f"{it.points:g}", f"{it.max_points:g}", it.status])
-            writer.writerow([lab.learner, lab.lab, "TOTAL", "total", f"{lab.points:g}", f"{lab.max_points:g}",
-                             f"tampered: {len(lab.tampered)}" if lab.tampered else ""])
+def _quiz(labs: dict, answers: dict, note: str, course: Course):
+    from ..quiz.grading import feedback, grade_lab
+
+    for lab in labs.values():
+        for q in grade_lab(lab.lab, answers, course.banks):
+            lab.items.append(Item(lab.learner, lab.lab, q.ref, "quiz", q.points, q.max_points,
+                                  "invalid" if note else q.status, note or q.detail))
+        if note:
+            lab.notes.append(note)
+        lab.feedback = feedback(lab.lab, answers, course.banks)
 
 
-def _write_reports(results: list[LabResult], folder: Path):
-    folder.mkdir(parents=True, exist_ok=True)
-    by_learner: dict[str, list[LabResult]] = {}
+# -- writing -----------------------------------------------------------------------------------------
+def _write_atomic(path: Path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_gradebook(results: list[LabResult], out: Path):
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["learner", "lab", "item", "kind", "points", "max_points", "status", "flags"])
     for lab in results:
-        by_learner.setdefault(lab.learner, []).append(lab)
-    for learner, labs in by_learner.items():
-        lines = [f"# {learner}", ""]
-        for lab in labs:
-            lines += [f"## {lab.lab}: {lab.points:g} / {lab.max_points:g} points", ""]
-            if lab.note:
-                lines += [f"Note: {lab.note}", ""]
-            for t in lab.tampered:
-                lines.append(f"- Tampered check cell {t}.")
-            for it in lab.items:
-                mark = "✓" if it.points == it.max_points and it.max_points else "✗"
-                lines.append(f"- {mark} {it.item} ({it.kind}): {it.status}, {it.points:g}/{it.max_points:g}")
-                if it.detail and it.kind == "check" and it.status != "passed":
-                    lines += ["", "  ```", *[f"  {d}" for d in it.detail.splitlines()], "  ```", ""]
-            lines.append("")
-        (folder / f"{learner}.md").write_text("\n".join(lines))
+        for it in lab.items:
+            writer.writerow([it.learner, it.lab, it.item, it.kind, f"{it.points:g}", f"{it.max_points:g}", it.status,
+                             "; ".join(f for f in lab.flags if f.startswith(f"{it.item}:"))])
+        writer.writerow([lab.learner, lab.lab, "TOTAL", "total", f"{lab.points:g}", f"{lab.max_points:g}",
+                         next((n for n in lab.notes if n.startswith("invalid")), ""), "; ".join(lab.flags)])
+    _write_atomic(out, buf.getvalue())
+
+
+def write_report(labs: list[LabResult], folder: Path, course: Course):
+    learner = labs[0].learner
+    lines = [f"# {learner}", "", f"Hidden checks drew their inputs from seed {course.seed}.", ""]
+    for lab in labs:
+        lines += [f"## {lab.lab}: {lab.points:g} / {lab.max_points:g} points", ""]
+        lines += [f"Note: {n}" for n in lab.notes] + ([""] if lab.notes else [])
+        for it in lab.items:
+            mark = "✓" if it.points == it.max_points and it.max_points else "✗"
+            lines.append(f"- {mark} {it.item} ({it.kind}): {it.status}, {it.points:g}/{it.max_points:g}")
+            if it.detail and it.kind == "check" and it.status != "passed":
+                lines += ["", "  ```", *[f"  {d}" for d in it.detail.splitlines()], "  ```", ""]
+        if lab.feedback:
+            lines += ["", lab.feedback]
+        lines.append("")
+    _write_atomic(folder / f"{learner}.md", "\n".join(lines))

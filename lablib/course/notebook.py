@@ -6,12 +6,12 @@ notebook as plain JSON. Shared by release.py and grade.py.
 - ``### BEGIN HIDDEN CHECKS`` ... ``### END HIDDEN CHECKS`` marks checks the learner does not see; they
   run when grading with ``--source``.
 - A graded cell carries ``{"lablib": {"grade_id": "check-1.2", "points": 2}}`` in its metadata.
+- ``release`` tags an exercise cell of the learner copy ``{"lablib": {"exercise": ["Task 1.2: ..."]}}``:
+  grading finds the learner's exercise code by it (course/exercises.py).
 - A cell tagged ``source-only`` is dropped from the learner copy (e.g. the one recording the quiz key).
 """
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -45,17 +45,3 @@ def read_notebook(path) -> dict:
         if cell.get("cell_type") == "code":
             cell.setdefault("outputs", [])
     return nb
-
-
-def blank(cell) -> dict:
-    """A copy of ``cell`` as never run."""
-    cell = copy.deepcopy(cell)
-    cell["outputs"], cell["execution_count"] = [], None
-    return cell
-
-
-def checksum(source: str) -> str:
-    return hashlib.sha256(source.strip().encode()).hexdigest()[:16]
-
-
-# -- release -----------------------------------------------------------------------------------------

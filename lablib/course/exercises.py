@@ -1,0 +1,221 @@
+"""What of a notebook is graded: the learner's exercise code, and the check calls of the instructor's copy.
+
+- Exercise code: the cells ``lablib release`` tagged as exercises (``{"lablib": {"exercise": [...]}}``)
+  and any other code cell that only defines functions. Only definitions are kept (``def``, ``class``,
+  imports, assignments without calls): a learner's test lines at the top level of a cell do not run
+  when grading. Each function a check takes is read against policy.py before anything runs.
+- Check calls: each graded cell of the release (and, with the source, its hidden checks) is read as
+  calls like ``check_zero1(zero1_step, cluster)``; ``cluster`` means the check's own world sizes.
+  Hidden calls get inputs drawn from the grading run's seed.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass, field
+
+from ..checks import Check
+from ..checks.policy import GLOBALS, SAFE_BUILTINS, problems
+from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str              # "check-1.3#0"
+    grade_id: str
+    module: str          # the checks module, e.g. "lab01"
+    check: str           # its attribute, e.g. "check_zero1"
+    params: tuple        # the learner's function names the call passes
+    world_size: int | None
+    seed: int | None
+    hidden: bool
+
+    def spec(self) -> Check:
+        return getattr(importlib.import_module(f"lablib.checks.{self.module}"), self.check)
+
+
+@dataclass
+class Exercise:
+    cells: list = field(default_factory=list)      # [{"name", "source"}] for the runner
+    functions: dict = field(default_factory=dict)  # name -> ast.FunctionDef (the last definition)
+    refused: dict = field(default_factory=dict)    # name -> why its definition was left out
+    notes: list = field(default_factory=list)      # what was left out, and why
+
+
+def _parse(source: str):
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _keep(node) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+        return True
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+        return True  # a docstring or a bare constant
+    return isinstance(node, (ast.Assign, ast.AnnAssign)) and not any(isinstance(n, ast.Call) for n in ast.walk(node))
+
+
+def exercise_code(nb) -> Exercise:
+    """The graded code of a (validated) submission."""
+    ex, included = Exercise(), []
+    for index, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        info = cell["metadata"].get("lablib")
+        tagged = isinstance(info, dict) and bool(info.get("exercise"))
+        tree = _parse(cell["source"])
+        defines = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))] if tree else []
+        if tagged or (defines and all(_keep(n) for n in tree.body)):
+            included.append((index, cell, tree))
+    defined = {n.name for _, _, tree in included if tree for n in tree.body
+               if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for index, cell, tree in included:
+        if tree is None:  # runs as it is, so the learner sees its SyntaxError in the report
+            ex.cells.append({"name": f"cell {index}", "source": cell["source"]})
+            continue
+        lines = cell["source"].split("\n")
+        for node in tree.body:
+            dropped = not _keep(node)
+            found = [] if dropped else problems(node, {}, defined)
+            if dropped or found:
+                why = "it is not a definition (only definitions run when grading)" if dropped else "; ".join(found)
+                ex.notes.append(f"cell {index}, line {node.lineno}: left out: {why}")
+                first = getattr(node, "decorator_list", None) and node.decorator_list[0].lineno or node.lineno
+                for k in range(first - 1, node.end_lineno):
+                    lines[k] = ""
+                if isinstance(node, ast.FunctionDef):
+                    ex.refused[node.name] = why
+                    ex.functions.pop(node.name, None)
+            elif isinstance(node, ast.FunctionDef):
+                ex.functions[node.name] = node
+                ex.refused.pop(node.name, None)
+        ex.cells.append({"name": f"cell {index}", "source": "\n".join(lines)})
+    return ex
+
+
+def _callees(fn: ast.FunctionDef, functions: dict) -> list[ast.FunctionDef]:
+    """``fn`` and every learner function it reaches by name."""
+    seen, todo = {}, [fn]
+    while todo:
+        node = todo.pop()
+        if node.name in seen:
+            continue
+        seen[node.name] = node
+        todo += [functions[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in functions]
+    return list(seen.values())
+
+
+def refusal(call: Call, ex: Exercise) -> str:
+    """Why ``call`` scores 0 before it runs ("" when it may run): a function not defined, or one that
+    breaks the rules (policy.py)."""
+    spec = call.spec()
+    for name in call.params:
+        if name in ex.refused:
+            return f"{spec.task}: {name} {ex.refused[name]}."
+        if name not in ex.functions:
+            return f"{spec.task}: your exercise code has no `def {name}(...)`, so there is nothing to check."
+        for fn in _callees(ex.functions[name], ex.functions):
+            found = problems(fn, spec.forbidden, set(ex.functions))
+            if found:
+                return f"{spec.task}: {fn.name} " + "; ".join(found) + "."
+    return ""
+
+
+def normalised(fn: ast.FunctionDef) -> str:
+    """``fn``'s code with its docstring dropped and its own names numbered: equal for copies that only
+    renamed things."""
+    fn = ast.parse(ast.unparse(fn)).body[0]
+    if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant):
+        fn.body = fn.body[1:] or [ast.Pass()]
+    names: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.arg):
+            node.arg = names.setdefault(node.arg, f"v{len(names)}")
+        elif isinstance(node, ast.Name) and node.id not in GLOBALS and node.id not in SAFE_BUILTINS:
+            node.id = names.setdefault(node.id, f"v{len(names)}")
+    fn.name = "f"
+    return ast.dump(fn, annotate_fields=False)
+
+
+def solutions(nb) -> dict[str, ast.FunctionDef]:
+    """The functions a source notebook's exercise cells define (its solutions)."""
+    out = {}
+    for cell in nb["cells"]:
+        if cell.get("cell_type") == "code" and "### BEGIN SOLUTION" in cell["source"]:
+            tree = _parse("\n".join(line for line in cell["source"].split("\n")
+                                    if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line))
+            out.update({n.name: n for n in (tree.body if tree else []) if isinstance(n, ast.FunctionDef)})
+    return out
+
+
+def check_modules(nb) -> dict[str, str]:
+    """{name: checks module} from the ``from lablib.checks.labNN import ...`` lines of a trusted notebook."""
+    out = {}
+    for cell in nb["cells"]:
+        tree = _parse(cell["source"]) if cell.get("cell_type") == "code" else None
+        for node in ast.walk(tree) if tree else ():
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lablib.checks."):
+                for alias in node.names:
+                    out[alias.asname or alias.name] = node.module.split(".")[-1]
+    return out
+
+
+def _hidden_text(source: str) -> str:
+    lines, out, inside = source.split("\n"), [], False
+    for line in lines:
+        if BEGIN_HIDDEN.match(line):
+            inside = True
+        elif END_HIDDEN.match(line):
+            inside = False
+        elif inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _literal(node):
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return None
+
+
+def check_calls(release_nb, source_nb=None, seed: int = 0) -> tuple[dict[str, list[Call]], dict[str, float]]:
+    """({grade_id: [Call, ...]}, {grade_id: points}) from a trusted release (and its source's hidden
+    checks). Raises ValueError when a graded cell holds no check call it can read."""
+    from .release import _strip_regions
+
+    modules = check_modules(release_nb)
+    hidden_src = {}
+    if source_nb is not None:
+        hidden_src = {grade_info(c)["grade_id"]: _hidden_text(c["source"]) for c in source_nb["cells"] if grade_info(c)}
+    calls, points = {}, {}
+    for cell in release_nb["cells"]:
+        info = grade_info(cell)
+        if not info:
+            continue
+        gid = info["grade_id"]
+        points[gid] = float(info["points"])
+        visible, _ = _strip_regions(cell["source"], gid, keep_hidden=False)
+        out = []
+        for text, hidden in ((visible, False), (hidden_src.get(gid, ""), True)):
+            for node in (_parse(text) or ast.Module(body=[])).body:
+                if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                        and isinstance(node.value.func, ast.Name) and node.value.func.id in modules):
+                    continue
+                name, module = node.value.func.id, modules[node.value.func.id]
+                spec = getattr(importlib.import_module(f"lablib.checks.{module}"), name, None)
+                if not isinstance(spec, Check):
+                    continue
+                args = [a.id for a in node.value.args if isinstance(a, ast.Name)]
+                if args and args[-1] == "cluster":
+                    args = args[:-1]
+                keywords = {k.arg: _literal(k.value) for k in node.value.keywords}
+                for size in spec.sizes(None, keywords.get("world_size")):
+                    call_seed = (seed * 1000 + len(out)) if hidden else keywords.get("seed")
+                    out.append(Call(f"{gid}#{len(out)}", gid, module, name, tuple(args), size, call_seed, hidden))
+        if not out:
+            raise ValueError(f"graded cell {gid} holds no check call lablib can read (like check_x(fn, cluster))")
+        calls[gid] = out
+    return calls, points
