@@ -216,6 +216,14 @@ def test_the_timeout_kills_the_whole_box(box, cgroup, work):
     assert running(marker) == []
 
 
+def test_the_box_cannot_see_or_signal_the_grader(box, work):
+    code = (f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\nexcept ProcessLookupError:\n"
+            "    print('no such process')\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    result = python(code, work)
+    assert result.returncode == 0 and "no such process" in result.output, result.output
+    assert max(json.loads(result.output.strip().splitlines()[-1])) < 10  # only the box's own few processes
+
+
 def test_a_signal_death_is_reported(box, work):
     result = sandbox.run(["sh", "-c", "kill -KILL $$"], workdir=work, limits=sandbox.Limits(HUNG))
     assert result.returncode == -9 and result.reason == "killed by signal 9 (SIGKILL)"

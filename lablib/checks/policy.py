@@ -44,7 +44,7 @@ def _root(node) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _bound(tree) -> set[str]:
+def bound_names(tree) -> set[str]:
     """Every name the code binds anywhere: definitions, parameters, targets, imports."""
     names = set()
     for node in ast.walk(tree):
@@ -67,7 +67,7 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
     ``forbidden``: {name or "module.name": what to do instead} for this task; ``defined``: names other
     exercise cells define (the learner's own helpers)."""
     forbidden = forbidden or {}
-    bound = _bound(tree) | set(defined)
+    bound = bound_names(tree) | set(defined)
     modules = set(GLOBALS)  # names that hold library modules here
     out = []
 
@@ -132,8 +132,16 @@ def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
         tree = ast.parse(source)
     except SyntaxError:
         return []
-    # Names the notebook's own functions provide (helpers the learner wrote) count as defined.
-    defined = {name for name, value in getattr(fn, "__globals__", {}).items()
-               if inspect.isfunction(value) and not (value.__module__ or "").startswith("lablib")}
+    defined = {name for name, value in getattr(fn, "__globals__", {}).items() if _learners(value)}
     defined |= set(fn.__code__.co_freevars)  # helpers of a function defined inside another
     return problems(tree, forbidden, defined)
+
+
+def _learners(value) -> bool:
+    """Whether a notebook global is the learner's to use: not lablib's (its functions, classes, objects,
+    modules), not a module exercises may not import."""
+    if inspect.ismodule(value):
+        return value.__name__ in MODULES
+    owner = value if inspect.isfunction(value) or inspect.isclass(value) else type(value)
+    module = getattr(owner, "__module__", "") or ""
+    return not (module == "lablib" or module.startswith("lablib."))

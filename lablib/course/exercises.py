@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from ..checks import Check
-from ..checks.policy import GLOBALS, SAFE_BUILTINS, problems
+from ..checks.policy import GLOBALS, SAFE_BUILTINS, bound_names, problems
 from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
 
 
@@ -39,6 +39,7 @@ class Exercise:
     cells: list = field(default_factory=list)      # [{"name", "source"}] for the runner
     functions: dict = field(default_factory=dict)  # name -> ast.FunctionDef (the last definition)
     refused: dict = field(default_factory=dict)    # name -> why its definition was left out
+    names: set = field(default_factory=set)        # every name the kept code binds at the top level
     notes: list = field(default_factory=list)      # what was left out, and why
 
 
@@ -57,6 +58,13 @@ def _keep(node) -> bool:
     return isinstance(node, (ast.Assign, ast.AnnAssign)) and not any(isinstance(n, ast.Call) for n in ast.walk(node))
 
 
+def _top_names(node) -> set[str]:
+    """The names a top-level statement binds."""
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return {node.name}
+    return bound_names(ast.Module(body=[node], type_ignores=[]))
+
+
 def exercise_code(nb) -> Exercise:
     """The graded code of a (validated) submission."""
     ex, included = Exercise(), []
@@ -69,8 +77,8 @@ def exercise_code(nb) -> Exercise:
         defines = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))] if tree else []
         if tagged or (defines and all(_keep(n) for n in tree.body)):
             included.append((index, cell, tree))
-    defined = {n.name for _, _, tree in included if tree for n in tree.body
-               if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined = {name for _, _, tree in included if tree for node in tree.body if _keep(node)
+               for name in _top_names(node)}
     for index, cell, tree in included:
         if tree is None:  # runs as it is, so the learner sees its SyntaxError in the report
             ex.cells.append({"name": f"cell {index}", "source": cell["source"]})
@@ -88,9 +96,11 @@ def exercise_code(nb) -> Exercise:
                 if isinstance(node, ast.FunctionDef):
                     ex.refused[node.name] = why
                     ex.functions.pop(node.name, None)
-            elif isinstance(node, ast.FunctionDef):
-                ex.functions[node.name] = node
-                ex.refused.pop(node.name, None)
+            else:
+                ex.names |= _top_names(node)
+                if isinstance(node, ast.FunctionDef):
+                    ex.functions[node.name] = node
+                    ex.refused.pop(node.name, None)
         ex.cells.append({"name": f"cell {index}", "source": "\n".join(lines)})
     return ex
 
@@ -117,7 +127,7 @@ def refusal(call: Call, ex: Exercise) -> str:
         if name not in ex.functions:
             return f"{spec.task}: your exercise code has no `def {name}(...)`, so there is nothing to check."
         for fn in _callees(ex.functions[name], ex.functions):
-            found = problems(fn, spec.forbidden, set(ex.functions))
+            found = problems(fn, spec.forbidden, ex.names | set(ex.functions))
             if found:
                 return f"{spec.task}: {fn.name} " + "; ".join(found) + "."
     return ""

@@ -1,0 +1,80 @@
+"""The exercise rules (lablib/checks/policy.py) and how grading applies them (course/exercises.py): what a
+learner may write passes, what reaches for the answers is refused with the reason. No processes here."""
+import ast
+
+import pytest
+
+from lablib.checks.lab02 import check_ring_blocking
+from lablib.checks.policy import COLLECTIVES, function_problems, problems
+from lablib.course.exercises import Call, exercise_code, refusal
+
+
+def _problems(source, forbidden=None):
+    return problems(ast.parse(source), forbidden)
+
+
+@pytest.mark.parametrize("source", [
+    "def f(x):\n    import torch.nn.functional as F\n    return F.relu(x) + math.pi + torch.ones(1)",
+    "def f(unit, ctx):\n    unit.grad /= ctx.world_size\n    lablib.all_reduce(unit.grad)\n    unit.flat = unit.grad",
+    "def f(out, inp):\n    for h in [lablib.isend(inp, 1), lablib.irecv(out, 0)]:\n        h.wait()",
+    "def f(x):\n    return sorted(range(len(x)), key=lambda i: -i)",
+])
+def test_what_a_learner_writes_passes(source):
+    assert _problems(source) == []
+    assert _problems("def f(out, inp):\n    lablib.isend(inp, 1).wait()\n    lablib.recv(out, 0)", COLLECTIVES) == []
+
+
+@pytest.mark.parametrize("source, found", [
+    ("def f(x):\n    return getattr(dist, 'all_' + 'reduce')(x)", "uses getattr"),
+    ("def f(x):\n    import os\n    return x", "imports os"),
+    ("def f(x):\n    from lablib.strategies import ring\n    return x", "imports from lablib.strategies"),
+    ("def f(x):\n    return lablib.strategies.ring.ring_all_gather(x, x)", "uses lablib.strategies"),
+    ("def f(x):\n    return x.__class__", "private attribute .__class__"),
+    ("def f(x):\n    torch.allclose = lambda *a: True", "changes torch.allclose"),
+    ("def f(x):\n    dist.all_gather_into_tensor(x, x)", "uses .all_gather_into_tensor: build it from"),
+    ("def f(x):\n    torch.save(x, 'x.pt')", "uses torch.save"),
+    ("def f(x):\n    return open('x').read()", "uses open"),
+    ("def f(x):\n    return zero.zero1_step", "uses zero, which is neither yours"),
+])
+def test_what_reaches_for_the_answers_is_named(source, found):
+    assert any(found in p for p in _problems(source, COLLECTIVES)), _problems(source, COLLECTIVES)
+
+
+def _nb(*sources, tag=0):
+    cells = [{"cell_type": "code", "source": s, "metadata": {}} for s in sources]
+    cells[tag]["metadata"]["lablib"] = {"exercise": ["Task 2.1"]}
+    return {"cells": cells}
+
+
+def test_grading_keeps_definitions_and_the_learners_own_names():
+    nb = _nb("import math as m\nCHUNK = 4\nprint('testing my ring')\nx = lablib.cluster(2).run(print)\n"
+             "def ring_all_gather_blocking(output, input):\n    return helper(output) * CHUNK * m.pi",
+             "def helper(t):\n    return t", "cluster = lablib.cluster(2)\nresults = cluster.run(print)")
+    ex = exercise_code(nb)
+    assert set(ex.functions) == {"ring_all_gather_blocking", "helper"}
+    assert [n.split(": left out: ")[1][:30] for n in ex.notes] == ["it is not a definition (only d"] * 2
+    assert "print(" not in ex.cells[0]["source"] and ex.cells[0]["source"].count("\n") == 5  # lines kept
+    assert len(ex.cells) == 2  # the third cell runs code: not exercise code
+    call = Call("check-2.1#0", "check-2.1", "lab02", "check_ring_blocking", ("ring_all_gather_blocking",), 2, None,
+                False)
+    assert refusal(call, ex) == ""
+
+
+def test_a_helper_that_breaks_the_rules_refuses_the_check_that_reaches_it():
+    ex = exercise_code(_nb("def ring_all_gather_blocking(output, input):\n    helper(output, input)",
+                           "def helper(output, input):\n    lablib.isend(input, 1).wait()"))
+    call = Call("check-2.1#0", "check-2.1", "lab02", "check_ring_blocking", ("ring_all_gather_blocking",), 2, None,
+                False)
+    assert "helper line 2: uses .isend: Task 2.1 asks for blocking" in refusal(call, ex)
+
+
+def test_the_notebook_applies_the_same_rules_to_a_function_it_is_given():
+    namespace = {}
+    exec(compile("import lablib\ndef ring(output, input):\n    lablib.all_gather(output, input)\n", "<cell>", "exec"),
+         namespace)
+    assert function_problems(namespace["ring"], check_ring_blocking.forbidden) == []  # no source to read here
+
+    def ring(output, input):
+        lablib.all_gather(output, input)  # noqa: F821
+
+    assert any("uses .all_gather" in p for p in function_problems(ring, check_ring_blocking.forbidden))
