@@ -97,6 +97,21 @@ def test_hang_is_reported_not_waited_out(fragile, fn, expect):
     _healthy(fragile)
 
 
+def _everyone_receives_first():
+    import lablib
+
+    t, peer = torch.zeros(1), (dist.get_rank() + 1) % dist.get_world_size()
+    lablib.recv(t, peer)
+    lablib.send(t, peer)
+
+
+def test_a_receive_deadlock_is_named_for_what_the_ranks_do(fragile):
+    with pytest.raises(RankError) as info:
+        fragile.run(_everyone_receives_first)
+    assert "Hint: every rank is blocked in recv" in str(info.value), str(info.value)
+    _healthy(fragile)
+
+
 def test_a_rank_stuck_in_python_after_others_finish_is_stopped(fragile):
     def spin():
         if dist.get_rank() == 0:

@@ -244,6 +244,8 @@ def test_zero_stage_mistakes(cluster):
     if cluster.world_size > 1:
         with pytest.raises(CheckFailed, match="bytes of params.*reshard must free the full flat buffer"):
             check_zero3(unshard, keep_everything, cluster)
+    with pytest.raises(CheckFailed, match="Likely: unit.flat is not the unit's full-size buffer any more"):
+        check_zero3(unshard, lambda unit: setattr(unit, "flat", torch.empty(0)), cluster)
     with pytest.raises(CheckFailed, match="zero2_step is lablib's own lablib.strategies.zero.zero2_step"):
         check_zero2(zero.zero2_step, cluster)
     with pytest.raises(CheckFailed, match="zero1_step is None"):

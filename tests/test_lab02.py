@@ -125,7 +125,7 @@ def test_ring_checks_teach(fragile):
         output.view(-1).copy_(partial[rank])
 
     t = time.perf_counter()
-    with pytest.raises(CheckFailed, match="(?s)deadlock.*Hint: a blocking send waits until its peer receives"):
+    with pytest.raises(CheckFailed, match="(?s)deadlock.*Hint: every rank is blocked in send, and a blocking send waits"):
         check_ring_blocking(everyone_sends_first, fragile)
     assert time.perf_counter() - t < fragile.timeout + HUNG
     with pytest.raises(CheckFailed, match="differs from what dist.all_gather_into_tensor gives.*copy your own input"):

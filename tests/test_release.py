@@ -105,3 +105,17 @@ def test_untouched_learner_copy_fails_its_checks_and_only_them(source, tmp_path)
             assert status == "passed"  # no expected score to compare with: the learner copy has none
         else:
             assert status == "passed", f"cell {n} failed on an untouched copy:\n{detail}"
+
+
+def test_run_all_on_an_untouched_copy_runs_the_whole_lab_and_names_the_open_task(tmp_path, monkeypatch):
+    """In a learner's notebook (not strict) a task not done yet prints one line and Run All goes on."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "labs" / "00_welcome.ipynb", as_version=4)
+    monkeypatch.setenv("LABLIB_STRICT", "0")  # the kernel inherits this process's environment
+    monkeypatch.setenv("LABLIB_ANSWERS", str(tmp_path / "answers.json"))
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "labs")}}).execute()
+    check = next(c for c in nb.cells if (grade_info(c) or {}).get("grade_id") == "check-0.1")
+    text = "".join(o.get("text", "") for o in check.outputs)
+    assert "✗ Task 0.1 is not done yet" in text and "The rest of the lab still runs" in text
+    assert "quiz.score(" in nb.cells[-1].source and nb.cells[-1].outputs  # the last cell ran

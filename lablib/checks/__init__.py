@@ -13,6 +13,7 @@ AssertionError), so the check cell fails under nbval too.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -27,9 +28,20 @@ class CheckFailed(AssertionError):
         return [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
 
 
-def not_done(task: str, what: str) -> CheckFailed:
-    return CheckFailed(f"{task} is not done yet: {what} still raises NotImplementedError. "
-                       "Replace the `raise` line with your code.")
+class NotDone(CheckFailed):
+    """The exercise still raises NotImplementedError."""
+
+
+def not_done(task: str, what: str) -> NotDone:
+    return NotDone(f"{task} is not done yet: {what} still raises NotImplementedError. "
+                   "Replace the `raise` line with your code.")
+
+
+def strict() -> bool:
+    """Whether a task not done yet fails its check cell: under nbval and in tests (``LABLIB_STRICT=1``,
+    set by the repository's conftest.py), not in a learner's notebook, where Run All goes on to the rest
+    of the lab and each open task prints one line."""
+    return os.environ.get("LABLIB_STRICT", "") not in ("", "0")
 
 
 def passed(task: str, message: str) -> None:
@@ -133,6 +145,12 @@ class Check:
                             f"got {len(fns)} function(s)")
         vet(self.task, self.params, fns, self.forbidden)
         sizes = self.sizes(cluster, world_size)
-        with pools(cluster, sizes) as ranks:
-            for size, pool in zip(sizes, ranks):
-                passed(self.task, self.judge(self.collect(fns, pool, seed), size, seed))
+        try:
+            with pools(cluster, sizes) as ranks:
+                for size, pool in zip(sizes, ranks):
+                    passed(self.task, self.judge(self.collect(fns, pool, seed), size, seed))
+        except NotDone as exc:
+            if strict():
+                raise
+            print(f"\x1b[0;33m✗ {exc}\x1b[0m\n  (The rest of the lab still runs; this task scores when its check "
+                  "passes.)")

@@ -63,9 +63,18 @@ def category(f: Failure) -> str:
 
 
 _ORDER = ["error", "WorkerDied", "timeout", "stopped", "Stuck", "lost peer"]
-_SEND_RECV_HINT = ("Hint: a blocking send waits until its peer receives (and a recv until its peer sends). If "
-                   "both sides of a pair send first, both wait forever: alternate the order (even ranks send "
-                   "first, odd ranks receive first), or post isend/irecv and then wait on both.")
+def _send_recv_hint(ops: set) -> str:
+    """What a send/recv deadlock means, for what the blocked ranks were doing."""
+    if ops == {"recv"}:
+        lead = ("every rank is blocked in recv, each waiting for a message its peer sends only after its own recv "
+                "returns: nobody sends.")
+    elif ops == {"send"}:
+        lead = ("every rank is blocked in send, and a blocking send waits until its peer receives: all ranks "
+                "send first, nobody receives.")
+    else:
+        lead = "a blocking send waits until its peer receives, and a recv until its peer sends."
+    return (f"Hint: {lead} Alternate the order (even ranks send first, odd ranks receive first), or post "
+            "isend/irecv and then wait on both.")
 
 
 def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float) -> str:
@@ -78,8 +87,9 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
         lines.append(f"  rank {r}: " + _one_line(failures[r], cats[r], timeout))
     if finished:
         lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
-    if "timeout" in cats.values() and any(_op(failures[r]) in ("send", "recv") for r in ranks):
-        lines.append(_SEND_RECV_HINT)
+    blocked = {_op(failures[r]) for r in ranks if cats[r] == "timeout"}
+    if blocked and blocked <= {"send", "recv"}:
+        lines.append(_send_recv_hint(blocked))
     elif "timeout" in cats.values():
         lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
                      "the same collectives in the same order, with matching shapes; lablib.cluster(n, debug=True) "
