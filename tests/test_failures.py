@@ -97,6 +97,34 @@ def test_hang_is_reported_not_waited_out(fragile, fn, expect):
     _healthy(fragile)
 
 
+def _computes_for_a_long_time():
+    time.sleep(3600)
+
+
+def test_a_job_past_its_time_limit_is_stopped(fragile):
+    fragile.job_limit = 1
+    try:
+        t = time.perf_counter()
+        with pytest.raises(RankError, match=r"did not finish \(the job ran past its time limit, job_limit=1 s\)"):
+            fragile.run(_computes_for_a_long_time)
+        assert time.perf_counter() - t < HUNG
+    finally:
+        fragile.job_limit = None
+    _healthy(fragile)
+
+
+def _replaces_the_default_group():
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_world_size()
+
+
+def test_a_replaced_default_group_is_restored_with_a_warning(fragile, capfd):
+    assert fragile.run(_replaces_the_default_group) == [1] * fragile.world_size
+    assert fragile.run(dist.get_world_size) == [fragile.world_size] * fragile.world_size
+    assert "this job replaced the default process group (now 1 rank(s)" in capfd.readouterr().err
+
+
 def _everyone_receives_first():
     import lablib
 

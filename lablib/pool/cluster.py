@@ -70,16 +70,22 @@ class Cluster:
              mismatch (another op, shape or dtype on one rank) fails at once, naming both. Without it,
              Gloo may hang until the timeout, or even return a silently wrong sum when ranks pass
              tensors of different sizes to all_reduce. About 10x slower small collectives.
+    job_limit: seconds a job may run in all (None: no limit). ``timeout`` stops ranks that wait for a
+             peer; a job whose ranks all keep computing is stopped only by this limit (or the stop
+             button). Can be changed at any time: ``cluster.job_limit = 60``.
     """
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 10.0, *,
-                 threads: int | None = None, debug: bool = False, quiet: bool = False):
+                 threads: int | None = None, debug: bool = False, job_limit: float | None = None,
+                 quiet: bool = False):
         self.backend = resolve_backend(backend, world_size)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
-        self.world_size, self.timeout = world_size, float(timeout)
+        if job_limit is not None and (not isinstance(job_limit, (int, float)) or job_limit <= 0):
+            raise ValueError(f"job_limit must be a positive number of seconds or None, got {job_limit!r}")
+        self.world_size, self.timeout, self.job_limit = world_size, float(timeout), job_limit
         self.threads = threads or max(1, (os.cpu_count() or 1) // world_size)
         self._debug = bool(debug)
         self._gen = 0                 # process-group generation; bumped after any failure

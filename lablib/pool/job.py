@@ -65,6 +65,7 @@ class Job:
         self.results, self.failures, self.raw_spans, self.killed = {}, {}, {}, set()
         self.first_ok = self.first_error = self.stop_sent = None
         self.interrupted, self.stop_reason = False, ""
+        self.started = time.monotonic()
 
     def stop_pressed(self) -> bool:
         """First press: SIGINT to the ranks still running. Second: kill them. False: stop waiting."""
@@ -112,6 +113,8 @@ class Job:
                 self.stop_reason = "another rank failed"
             elif self.first_ok is not None and now - self.first_ok > self.pool.timeout + LATE_GRACE:
                 self.stop_reason = f"still running {self.pool.timeout:g} s after rank {min(self.results)} finished"
+            elif self.pool.job_limit is not None and now - self.started > self.pool.job_limit:
+                self.stop_reason = f"the job ran past its time limit, job_limit={self.pool.job_limit:g} s"
             if self.stop_reason:
                 self.pool._interrupt(self.pending)
                 self.stop_sent = now

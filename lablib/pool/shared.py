@@ -29,7 +29,7 @@ def cluster(world_size: int | None = None, **kwargs) -> Cluster:
     return _shared
 
 
-_DEFAULTS = {"timeout": 10.0, "threads": None, "debug": False}
+_DEFAULTS = {"timeout": 10.0, "threads": None, "debug": False, "job_limit": None}
 
 
 def _matches(c, kwargs):
@@ -39,8 +39,8 @@ def _matches(c, kwargs):
         if key == "backend":
             if value != "auto" and value != c.backend:
                 return False
-        elif key == "debug":
-            c.debug = value
+        elif key in ("debug", "job_limit"):  # changed in place, no restart
+            setattr(c, key, value)
         elif key == "threads" and value is None:
             if c.threads != max(1, (os.cpu_count() or 1) // c.world_size):
                 return False

@@ -91,6 +91,7 @@ class _Rank:
         self.conn = Client(env["LABLIB_ADDRESS"], authkey=bytes.fromhex(env.pop("LABLIB_AUTHKEY")))
         self._send_lock = threading.Lock()
         self.gen = None  # generation of the live process group
+        self.group = None  # the default group lablib made
 
     def send(self, msg):
         data = P.encode(msg)
@@ -127,7 +128,20 @@ class _Rank:
         # otherwise close its sockets while a slower peer is still connecting to them, and that
         # peer would wait for the full timeout.
         dist.barrier()
-        self.gen = gen
+        self.gen, self.group = gen, _default_group()
+
+    def check_process_group(self):
+        """After a job: if it replaced the default process group (another size, or another group),
+        drop that group with a warning, so the next job gets lablib's own again."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or _default_group() is self.group:
+            return
+        size = dist.get_world_size()
+        print(f"lablib: rank {self.rank}: this job replaced the default process group (now {size} rank(s), not "
+              f"{self.world_size}); lablib restores its own {self.world_size}-rank group for the next job. Use "
+              "dist.new_group(...) for a group of some ranks, and pass it as group=.", file=sys.stderr)
+        self.destroy_process_group()
 
     @staticmethod
     def destroy_process_group():
@@ -140,6 +154,12 @@ class _Rank:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
 def describe(exc: BaseException) -> P.Failure:
@@ -188,6 +208,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
         finally:
             _State.running = False
         value = P.ship(result, to_cpu=True)
+        me.check_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the cell
         _State.running = False
         failure = describe(exc)
