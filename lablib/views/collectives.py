@@ -49,7 +49,7 @@ def ring_explorer(timeline, op: str = "all_gather"):
         fig.update_xaxes(visible=False, range=[-1.5, 1.5], row=1, col=1)
         fig.update_yaxes(visible=False, range=[-1.5, 1.5], scaleanchor="x", row=1, col=1)
         fig.update_yaxes(autorange="reversed", row=1, col=2)
-        what = "before the first step" if k == 0 else f"step {k - 1} of {len(steps)}"
+        what = "before the first step" if k == 0 else f"after step {k} of {len(steps)} (s = {k - 1} in the text)"
         fig.update_layout(height=360, margin=dict(t=60, b=20), title=f"ring {op.replace('_', '-')} on {n} ranks: {what}")
         out.clear_output(wait=True)
         with out:
