@@ -4,8 +4,11 @@ Same arguments as ``torch.distributed``; ``name=`` labels the span. Synchronous 
 call to return; ``async_op=True`` calls return a ``Work`` whose span runs from issue to completion
 (seen by a callback on the work's future, not by when ``wait()`` was called).
 
-``bytes`` on a span is the size of the message (the tensor each rank contributes), as nccl-tests
-reports "size"; what crosses the wire depends on the algorithm and is the subject of lab 02.
+``bytes`` on a span is the tensor this rank contributes (for an all-gather, its input: nccl-tests'
+"size" is the whole output); what crosses the wire depends on the algorithm and is the subject of
+lab 02. ``bytes_sent`` models that traffic for the ring algorithms; on Gloo each synchronous span
+also carries ``wire``, the bytes this rank really wrote to its sockets during the call (the
+kernel's count, /proc/self/io), and ``bytes_on_wire`` adds those up.
 """
 from __future__ import annotations
 
@@ -84,13 +87,40 @@ def bytes_sent(timeline, rank: int | None = None) -> float:
     return total / len(ranks)
 
 
+def bytes_on_wire(timeline, rank: int | None = None) -> float | None:
+    """Bytes really sent, as the kernel counted them, in the traced synchronous collectives of
+    ``timeline`` (one rank, or the average over ranks); None when a span has no count (NCCL, async
+    calls, no /proc)."""
+    ranks = [rank] if rank is not None else list(range(timeline.world_size))
+    spans = [s for s in timeline.spans if s.kind == "comm" and s.rank in ranks and "op" in s.meta]
+    if not spans or any("wire" not in s.meta for s in spans):
+        return None
+    return sum(s.meta["wire"] for s in spans) / len(ranks)
+
+
+def written() -> int | None:
+    """Bytes this process has written so far ("wchar" of /proc/self/io; Gloo sends with writev), or
+    None where the kernel does not say."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _traced(name, nbytes, async_op, call, tensor, op, **meta):
     if async_op:
         return Work(call(), AsyncSpan(name, "comm", nbytes, op=op, **meta))
-    with span(name, "comm", bytes=nbytes, op=op, **meta):
+    with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
+        before = None if tensor.is_cuda else written()
         out = call()
         if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
             torch.cuda.synchronize(tensor.device)
+        elif before is not None:
+            s.meta["wire"] = written() - before
     return out
 
 

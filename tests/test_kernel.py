@@ -34,8 +34,10 @@ def _execute(kc, code, timeout=120):
             data.append(content["data"])
         elif kind == "status" and content["execution_state"] == "idle":
             break
-    reply = kc.get_shell_msg(timeout=timeout)
-    return reply["content"], "".join(out), "".join(err), data
+    while True:  # skip stray replies (a slow kernel answers start-up's repeated kernel_info requests late)
+        reply = kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], "".join(out), "".join(err), data
 
 
 def test_ranks_magic_runs_the_cell_on_n_ranks_with_notebook_variables(kernel):

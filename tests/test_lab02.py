@@ -139,3 +139,24 @@ def test_ring_checks_teach(fragile):
     with pytest.raises(CheckFailed, match="ring_reduce_scatter is lablib's own"):
         check_ring_reduce_scatter(ring.ring_reduce_scatter, fragile)
     check_ring_reduce_scatter(ring_reduce_scatter, fragile)
+
+
+def _three_collectives():
+    x, out = torch.ones(1 << 18), torch.empty((1 << 18) // dist.get_world_size())
+    lablib.reduce_scatter(out, x)
+    lablib.all_gather(x, out)
+    lablib.all_reduce(x)
+
+
+def test_bytes_on_the_wire_are_measured_beside_the_ring_model(cluster):
+    """The kernel's count of what each rank sent: the ring's volume for all-gather and all-reduce (plus
+    headers), twice it for Gloo's reduce-scatter, which is an all-reduce underneath."""
+    from lablib.comm import BUS_FACTOR, bytes_on_wire
+
+    cluster.run(_three_collectives)
+    n, size = cluster.world_size, (1 << 18) * 4
+    for op, factor in (("all_gather", 1), ("all_reduce", 1), ("reduce_scatter", 2)):
+        spans = [s for s in cluster.timeline().spans if s.meta.get("op") == op]
+        wire = sum(s.meta["wire"] for s in spans) / n
+        assert factor * BUS_FACTOR[op](n) * size <= wire <= factor * BUS_FACTOR[op](n) * size * 1.02 + 4096, (op, wire)
+    assert bytes_on_wire(cluster.timeline()) == sum(s.meta["wire"] for s in cluster.timeline().spans) / n
