@@ -10,7 +10,8 @@ the data is cut into N chunks.
 - all-reduce = reduce-scatter + all-gather.
 
 Each rank sends (N-1)/N of the data per all-gather or reduce-scatter, 2(N-1)/N per all-reduce: the
-lower bound for any algorithm in which every rank must see every other rank's data, whatever N is.
+lower bound for any algorithm built from point-to-point messages, whatever N is (a switch that
+reduces in the network, like NVLink SHARP, sends less).
 """
 from __future__ import annotations
 
