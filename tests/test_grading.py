@@ -147,6 +147,13 @@ def _learners(released, root):
         "untraced": (_learner(released, {6: UNTRACED}), None),
         "obfuscated": (_learner(released, {6: "    getattr(dist, 'all_gather_into_' + 'tensor')(output, input)"}), None),
         "nonblocking": (_learner(released, {6: RING.replace("lablib.send", "lablib.isend")}), None),
+        "string_trick": (_learner(released, {6: 'def ring_all_gather_blocking(output, input):\n    pass\n'
+                                                'print(1); s = """\ndef ring_all_gather_blocking(output, input):\n'
+                                                '    torch.sys.modules["lablib.strategies.ring"].ring_all_gather('
+                                                'output, input)\n#"""'}), None),
+        "class_body": (_learner(released, {6: "class P:\n    m = torch.sys.modules['lablib.checks.lab02']\n"
+                                              "    m.run_on_ranks = lambda *a, **k: []\n"
+                                              "def ring_all_gather_blocking(output, input):\n    pass"}), None),
         # 7-8: the instructor's notebook, and the quiz without the work
         "submits_source": (None, None),
         "quiz_retried": (_learner(released, "solved"), "retried"),
@@ -278,7 +285,8 @@ def test_untouched_release_scores_zero_and_says_what_is_not_done(course):
     assert "Task 0.1 is not done yet" in _report(root, "untouched")
 
 
-@pytest.mark.parametrize("learner", ["fake_check", "fake_allclose", "swallow_errors", "fake_cluster"])
+@pytest.mark.parametrize("learner", ["fake_check", "fake_allclose", "swallow_errors", "fake_cluster", "string_trick",
+                                     "class_body"])
 def test_changes_outside_the_exercise_gain_nothing(course, learner):
     root, _, rows, _ = course
     assert _row(rows, learner, "TOTAL")[0] == 0
@@ -293,7 +301,7 @@ def test_changes_outside_the_exercise_gain_nothing(course, learner):
     ("library", "check-1.1", "imports from lablib.strategies.flat"),
     ("library", "check-2.1", "no `def ring_all_gather_blocking"),
     ("calls_reference", "check-2.1", "uses lablib.strategies"),
-    ("untraced", "check-2.1", "uses .all_gather_into_tensor: build it from point-to-point messages"),
+    ("untraced", "check-2.1", "uses dist.all_gather_into_tensor: build it from point-to-point messages"),
     ("obfuscated", "check-2.1", "uses getattr"),
     ("nonblocking", "check-2.1", "Task 2.1 asks for blocking lablib.send and lablib.recv"),
 ])
@@ -365,7 +373,7 @@ def test_a_hanging_check_is_stopped_and_the_others_still_count(course):
 
 def test_every_learner_is_graded_in_one_run_and_nothing_is_left_running(course):
     root, _, rows, _ = course
-    assert len({r["learner"] for r in rows}) == 28
+    assert len({r["learner"] for r in rows}) == 30
     if os.environ.get("LABLIB_REQUIRE_SANDBOX"):
         assert "WITHOUT a sandbox" not in _report(root, "good")
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -437,7 +445,8 @@ def test_solved_sources_follow_the_exercise_rules():
     for path in sorted(SOURCES.glob("*.ipynb")):
         source = read_notebook(path)
         calls, _ = check_calls(read_notebook(LABS / path.name), source)
-        ex = Exercise(functions=solutions(source))
+        functions = solutions(source)
+        ex = Exercise(functions=functions, names=set(functions), nodes=dict(functions))
         for call in (c for cs in calls.values() for c in cs):
             assert refusal(call, ex) == "", (path.name, call)
 

@@ -18,6 +18,7 @@ def _problems(source, forbidden=None):
     "def f(unit, ctx):\n    unit.grad /= ctx.world_size\n    lablib.all_reduce(unit.grad)\n    unit.flat = unit.grad",
     "def f(out, inp):\n    for h in [lablib.isend(inp, 1), lablib.irecv(out, 0)]:\n        h.wait()",
     "def f(x):\n    return sorted(range(len(x)), key=lambda i: -i)",
+    "def f(flat):\n    out = torch.zeros(4)\n    out[:2] = flat[:2]\n    return out",
 ])
 def test_what_a_learner_writes_passes(source):
     assert _problems(source) == []
@@ -31,10 +32,17 @@ def test_what_a_learner_writes_passes(source):
     ("def f(x):\n    return lablib.strategies.ring.ring_all_gather(x, x)", "uses lablib.strategies"),
     ("def f(x):\n    return x.__class__", "private attribute .__class__"),
     ("def f(x):\n    torch.allclose = lambda *a: True", "changes torch.allclose"),
-    ("def f(x):\n    dist.all_gather_into_tensor(x, x)", "uses .all_gather_into_tensor: build it from"),
+    ("def f(x):\n    dist.all_gather_into_tensor(x, x)", "uses dist.all_gather_into_tensor: build it from"),
     ("def f(x):\n    torch.save(x, 'x.pt')", "uses torch.save"),
     ("def f(x):\n    return open('x').read()", "uses open"),
     ("def f(x):\n    return zero.zero1_step", "uses zero, which is neither yours"),
+    ("def f(u, c):\n    torch.sys.modules['lablib.strategies.zero'].zero1_step(u, c)", "uses .sys"),
+    ("import operator\ndef f(x):\n    return operator.attrgetter('Flat' + 'Layout')", "imports operator"),
+    ("import lablib as L\ndef f(u, c):\n    L.strategies.zero.zero1_step(u, c)", "uses lablib.strategies"),
+    ("def f(o, i):\n    L = lablib\n    L.strategies.ring.ring_all_gather(o, i)", "uses lablib.strategies"),
+    ("def f(o, i):\n    dist.group.WORLD.allgather([list(o.chunk(2))], [i]).wait()", "uses .group"),
+    ("def f(o, i):\n    dist.all_gather_coalesced([o], [i])", "uses dist.all_gather_coalesced: build it"),
+    ("import torch.distributed as D\ndef f(o, i):\n    D.send(i, 1)", "uses dist.send: build it"),
 ])
 def test_what_reaches_for_the_answers_is_named(source, found):
     assert any(found in p for p in _problems(source, COLLECTIVES)), _problems(source, COLLECTIVES)
@@ -52,7 +60,7 @@ def test_grading_keeps_definitions_and_the_learners_own_names():
              "def helper(t):\n    return t", "cluster = lablib.cluster(2)\nresults = cluster.run(print)")
     ex = exercise_code(nb)
     assert set(ex.functions) == {"ring_all_gather_blocking", "helper"}
-    assert [n.split(": left out: ")[1][:30] for n in ex.notes] == ["it is not a definition (only d"] * 2
+    assert [n.split(": left out: ")[1][:30] for n in ex.notes] == ["it runs code when defined (onl"] * 2
     assert "print(" not in ex.cells[0]["source"] and ex.cells[0]["source"].count("\n") == 5  # lines kept
     assert len(ex.cells) == 2  # the third cell runs code: not exercise code
     call = Call("check-2.1#0", "check-2.1", "lab02", "check_ring_blocking", ("ring_all_gather_blocking",), 2, None,
@@ -65,7 +73,7 @@ def test_a_helper_that_breaks_the_rules_refuses_the_check_that_reaches_it():
                            "def helper(output, input):\n    lablib.isend(input, 1).wait()"))
     call = Call("check-2.1#0", "check-2.1", "lab02", "check_ring_blocking", ("ring_all_gather_blocking",), 2, None,
                 False)
-    assert "helper line 2: uses .isend: Task 2.1 asks for blocking" in refusal(call, ex)
+    assert "helper line 2: uses lablib.isend: Task 2.1 asks for blocking" in refusal(call, ex)
 
 
 def test_the_notebook_applies_the_same_rules_to_a_function_it_is_given():
@@ -77,4 +85,35 @@ def test_the_notebook_applies_the_same_rules_to_a_function_it_is_given():
     def ring(output, input):
         lablib.all_gather(output, input)  # noqa: F821
 
-    assert any("uses .all_gather" in p for p in function_problems(ring, check_ring_blocking.forbidden))
+    assert any("uses lablib.all_gather" in p for p in function_problems(ring, check_ring_blocking.forbidden))
+
+
+def test_what_runs_in_the_box_is_exactly_what_was_read():
+    """A dropped statement on the line where a string starts must not turn the string into code."""
+    evil = ('def zero1_step(unit, ctx):\n    pass\nprint(1); s = """\ndef zero1_step(unit, ctx):\n'
+            '    torch.sys.modules["lablib.strategies.zero"].zero1_step(unit, ctx)\n#"""')
+    ex = exercise_code(_nb(evil))
+    ran = ast.parse(ex.cells[0]["source"])
+    assert [type(n).__name__ for n in ran.body] == ["FunctionDef", "Assign"]
+    assert ast.dump(ran.body[0].body[0]) == ast.dump(ast.Pass())
+
+
+@pytest.mark.parametrize("cell", [
+    "class P:\n    m = torch.sys.modules['importlib']\n    def go(self):\n        pass",
+    "class P(object.__class__('X', (), {})):\n    pass",
+    "def f(x, y=print('runs when defined')):\n    return x",
+    "@print\ndef f(x):\n    return x",
+])
+def test_definitions_that_run_code_when_made_are_left_out(cell):
+    ex = exercise_code(_nb(cell))
+    assert ex.notes and not ex.cells[0]["source"].strip()
+
+
+def test_the_task_rules_follow_every_name_the_function_reaches():
+    table = ("def helper(output, input):\n    dist.all_gather_into_tensor(output, input)\n"
+             "TABLE = {'go': helper}\nclass H:\n    def go(output, input):\n        lablib.isend(input, 1).wait()\n"
+             "def ring_all_gather_blocking(output, input):\n    TABLE['go'](output, input)\n    H.go(output, input)")
+    call = Call("check-2.1#0", "check-2.1", "lab02", "check_ring_blocking", ("ring_all_gather_blocking",), 2, None,
+                False)
+    why = refusal(call, exercise_code(_nb(table)))
+    assert "uses dist.all_gather_into_tensor" in why or "uses lablib.isend" in why, why

@@ -97,8 +97,8 @@ def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str, seed=No
             kind = _DTYPES[dtype]
             tol = 0 if not kind.is_floating_point else (64 if kind == torch.bfloat16 else 4) * torch.finfo(kind).eps * n * 8 * 4
             diff = (got.double() - want.double()).abs()
-            if diff.max().item() > tol:
-                bad = sorted({int(i) // max(chunk, 1) for i in (diff > tol).nonzero().flatten().tolist()})
+            if not diff.max().item() <= tol:  # NaN too
+                bad = sorted({int(i) // max(chunk, 1) for i in (~(diff <= tol)).nonzero().flatten().tolist()})
                 raise CheckFailed(
                     f"{task}: {where}: rank {rank}'s result differs from what {_TORCH_NAME[op]} gives "
                     f"(by up to {diff.max().item():.3g}) in chunk(s) {bad[:6]}. {_RING_OP_HINTS[op]}")

@@ -23,18 +23,26 @@ SAFE_BUILTINS = {
     "RuntimeError", "StopIteration", "TypeError", "ValueError", "ZeroDivisionError",
 }
 MODULES = {"torch", "torch.distributed", "torch.nn", "torch.nn.functional", "math", "lablib", "functools",
-           "itertools", "operator", "typing", "collections"}
+           "itertools", "typing", "collections"}
 LABLIB_PUBLIC = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
                  "isend", "irecv", "span", "device", "cluster", "Cluster", "RankError", "Timeline", "Span"}
 TORCH_DENIED = {"save", "load", "hub", "utils", "ops", "classes", "jit", "library", "package", "multiprocessing",
                 "compile", "export", "fx", "overrides"}
+# Attributes that lead from any object to modules, the interpreter or the process group's internals.
+DENIED = {"sys", "os", "modules", "builtins", "importlib", "subprocess", "ctypes", "distributed_c10d", "group",
+          "GroupMember", "attrgetter", "methodcaller", "globals", "f_globals", "f_back", "gi_frame"}
 
-# Collectives a ring must not call, with what to do instead (lab 02).
+# Collectives a ring must not call, with what to do instead (lab 02). A key starting with "~" matches
+# any attribute that contains it (all_gather_coalesced, allgather, reduce_scatter_tensor, ...).
 COLLECTIVES = {name: "build it from point-to-point messages, lablib.send/recv/isend/irecv" for name in (
-    "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce", "broadcast", "all_to_all",
-    "all_to_all_single", "scatter", "gather", "reduce", "dist.send", "dist.recv", "dist.isend", "dist.irecv",
-    "batch_isend_irecv", "P2POp")}
+    "~gather", "~reduce", "~scatter", "~broadcast", "~all_to_all", "~alltoall", "~_object", "~coalesced",
+    "dist.send", "dist.recv", "dist.isend", "dist.irecv", "batch_isend_irecv", "P2POp")}
+
+
+def _forbidden_attr(attr: str, forbidden: dict) -> str | None:
+    if attr in forbidden:
+        return forbidden[attr]
+    return next((why for key, why in forbidden.items() if key.startswith("~") and key[1:] in attr), None)
 
 
 def _root(node) -> str | None:
@@ -61,14 +69,48 @@ def bound_names(tree) -> set[str]:
     return names
 
 
+def _is_path(node) -> bool:
+    """``a`` or ``a.b.c``: a name or a chain of attributes (what can hold a module), not a call's result."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def _aliases(tree) -> dict[str, str]:
+    """{name: the library module it holds}: torch, dist, math, lablib, and every name bound to one of
+    them or to an attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
+    out = {name: name for name in GLOBALS}
+    changed = True
+    while changed:
+        changed = False
+        for node in ast.walk(tree):
+            pairs = []
+            if isinstance(node, ast.Import):
+                pairs = [((a.asname or a.name).split(".")[0],
+                          "dist" if a.asname and a.name == "torch.distributed" else a.name.split(".")[0])
+                         for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = "dist" if node.module == "torch.distributed" else node.module.split(".")[0]
+                pairs = [(a.asname or a.name, base) for a in node.names]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and _is_path(node.value):
+                root = _root(node.value)
+                if root in out:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    pairs = [(n.id, out[root]) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            for name, module in pairs:
+                if out.get(name) != module:
+                    out[name], changed = module, True
+    return out
+
+
 def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: set[str] = frozenset()) -> list[str]:
     """What in ``tree`` breaks the rules, one line each ([] when nothing does).
 
-    ``forbidden``: {name or "module.name": what to do instead} for this task; ``defined``: names other
-    exercise cells define (the learner's own helpers)."""
+    ``forbidden``: {name, "module.name" or "~part of a name": what to do instead} for this task;
+    ``defined``: names other exercise cells define (the learner's own helpers)."""
     forbidden = forbidden or {}
     bound = bound_names(tree) | set(defined)
-    modules = set(GLOBALS)  # names that hold library modules here
+    modules = _aliases(tree)  # names that hold library modules here, and which
     out = []
 
     def add(node, text):
@@ -81,7 +123,6 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
             for alias in node.names:
                 if alias.name not in MODULES:
                     add(node, f"imports {alias.name}; exercise code may import only {', '.join(sorted(MODULES))}")
-                modules.add((alias.asname or alias.name).split(".")[0])
         elif isinstance(node, ast.ImportFrom):
             module = "." * node.level + (node.module or "")
             if module not in MODULES:
@@ -90,26 +131,29 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                 if module == "lablib" and alias.name not in LABLIB_PUBLIC:
                     add(node, f"imports lablib.{alias.name}, which is not one of lablib's helpers for exercises "
                               f"({', '.join(sorted(LABLIB_PUBLIC))})")
-                if alias.name in forbidden or f"{module}.{alias.name}".replace("torch.distributed", "dist") in forbidden:
-                    key = alias.name if alias.name in forbidden else f"dist.{alias.name}"
-                    add(node, f"imports {alias.name}: {forbidden[key]}")
+                qualified = f"{'dist' if module == 'torch.distributed' else module}.{alias.name}"
+                why = forbidden.get(qualified) or _forbidden_attr(alias.name, forbidden)
+                if why or alias.name in DENIED:
+                    add(node, f"imports {alias.name}: {why or 'an exercise does not need it'}")
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             if node.id in forbidden and node.id not in bound:
                 add(node, f"uses {node.id}: {forbidden[node.id]}")
             elif node.id not in bound and node.id not in GLOBALS and node.id not in SAFE_BUILTINS:
                 add(node, f"uses {node.id}, which is neither yours, nor torch/dist/math/lablib, nor a plain builtin")
         elif isinstance(node, ast.Attribute):
+            module = modules.get(node.value.id) if isinstance(node.value, ast.Name) else None
+            why = _forbidden_attr(node.attr, forbidden) or (module and forbidden.get(f"{module}.{node.attr}"))
             if node.attr.startswith("_"):
                 add(node, f"uses the private attribute .{node.attr}")
-            if node.attr in forbidden:
-                add(node, f"uses .{node.attr}: {forbidden[node.attr]}")
-            elif isinstance(node.value, ast.Name) and f"{node.value.id}.{node.attr}" in forbidden:
-                add(node, f"uses {node.value.id}.{node.attr}: {forbidden[f'{node.value.id}.{node.attr}']}")
-            if isinstance(node.value, ast.Name) and node.value.id == "lablib" and node.attr not in LABLIB_PUBLIC:
+            elif node.attr in DENIED:
+                add(node, f"uses .{node.attr}, which an exercise does not need")
+            if why:
+                add(node, f"uses {module + '.' if module else '.'}{node.attr}: {why}")
+            if module == "lablib" and node.attr not in LABLIB_PUBLIC:
                 add(node, f"uses lablib.{node.attr}: exercises use lablib's helpers only "
                           f"({', '.join(sorted(LABLIB_PUBLIC))}), not its internals")
-            if isinstance(node.value, ast.Name) and node.value.id in ("torch", "dist") and node.attr in TORCH_DENIED:
-                add(node, f"uses {node.value.id}.{node.attr}, which an exercise does not need")
+            if module in ("torch", "dist") and node.attr in TORCH_DENIED:
+                add(node, f"uses {module}.{node.attr}, which an exercise does not need")
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for t in targets:

@@ -40,6 +40,7 @@ class Exercise:
     functions: dict = field(default_factory=dict)  # name -> ast.FunctionDef (the last definition)
     refused: dict = field(default_factory=dict)    # name -> why its definition was left out
     names: set = field(default_factory=set)        # every name the kept code binds at the top level
+    nodes: dict = field(default_factory=dict)      # name -> the kept top-level statement that binds it
     notes: list = field(default_factory=list)      # what was left out, and why
 
 
@@ -50,12 +51,41 @@ def _parse(source: str):
         return None
 
 
+def _calls(*nodes) -> bool:
+    return any(isinstance(n, ast.Call) for node in nodes if node is not None for n in ast.walk(node))
+
+
 def _keep(node) -> bool:
-    if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+    """Whether a top-level statement is a definition that runs no code of the learner's when executed:
+    no decorators, and no calls in default values, annotations, base classes or class bodies."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
         return True
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
         return True  # a docstring or a bare constant
-    return isinstance(node, (ast.Assign, ast.AnnAssign)) and not any(isinstance(n, ast.Call) for n in ast.walk(node))
+    if isinstance(node, ast.FunctionDef):  # a decorator is a call, whatever it looks like
+        a = node.args
+        return not node.decorator_list and not _calls(*a.defaults, *a.kw_defaults, node.returns,
+                                                      *(x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs))
+    if isinstance(node, ast.ClassDef):
+        return (not node.decorator_list and not _calls(*node.bases, *node.keywords)
+                and all(_keep(n) for n in node.body))
+    return isinstance(node, (ast.Assign, ast.AnnAssign)) and not _calls(node)
+
+
+def _text(nodes: list, source: str) -> str:
+    """Source text of exactly ``nodes``, each at its own line where it can be (so errors name the
+    learner's lines); checked to parse back to the same statements, else regenerated from them."""
+    lines: list[str] = []
+    for node in nodes:
+        segment = ast.get_source_segment(source, node, padded=True) or ast.unparse(node)
+        lines += [""] * max(0, node.lineno - 1 - len(lines))
+        lines += segment.split("\n")
+    text = "\n".join(lines)
+    want = ast.dump(ast.Module(body=nodes, type_ignores=[]), annotate_fields=False)
+    got = _parse(text)
+    if got is None or ast.dump(got, annotate_fields=False) != want:
+        text = ast.unparse(ast.Module(body=nodes, type_ignores=[]))
+    return text
 
 
 def _top_names(node) -> set[str]:
@@ -83,53 +113,56 @@ def exercise_code(nb) -> Exercise:
         if tree is None:  # runs as it is, so the learner sees its SyntaxError in the report
             ex.cells.append({"name": f"cell {index}", "source": cell["source"]})
             continue
-        lines = cell["source"].split("\n")
+        kept = []
         for node in tree.body:
             dropped = not _keep(node)
             found = [] if dropped else problems(node, {}, defined)
             if dropped or found:
-                why = "it is not a definition (only definitions run when grading)" if dropped else "; ".join(found)
+                why = ("it runs code when defined (only definitions run when grading)" if dropped
+                       else "; ".join(found))
                 ex.notes.append(f"cell {index}, line {node.lineno}: left out: {why}")
-                first = getattr(node, "decorator_list", None) and node.decorator_list[0].lineno or node.lineno
-                for k in range(first - 1, node.end_lineno):
-                    lines[k] = ""
                 if isinstance(node, ast.FunctionDef):
                     ex.refused[node.name] = why
                     ex.functions.pop(node.name, None)
-            else:
-                ex.names |= _top_names(node)
-                if isinstance(node, ast.FunctionDef):
-                    ex.functions[node.name] = node
-                    ex.refused.pop(node.name, None)
-        ex.cells.append({"name": f"cell {index}", "source": "\n".join(lines)})
+                continue
+            kept.append(node)
+            for name in _top_names(node):
+                ex.names.add(name)
+                ex.nodes[name] = node
+            if isinstance(node, ast.FunctionDef):
+                ex.functions[node.name] = node
+                ex.refused.pop(node.name, None)
+        ex.cells.append({"name": f"cell {index}", "source": _text(kept, cell["source"])})
     return ex
 
 
-def _callees(fn: ast.FunctionDef, functions: dict) -> list[ast.FunctionDef]:
-    """``fn`` and every learner function it reaches by name."""
-    seen, todo = {}, [fn]
+def _reachable(fn: ast.FunctionDef, nodes: dict) -> list:
+    """``fn`` and every top-level statement of the learner's it reaches by name, directly or through
+    others (a helper, a table of functions, a class)."""
+    seen, todo = [], [fn]
     while todo:
         node = todo.pop()
-        if node.name in seen:
+        if any(node is n for n in seen):
             continue
-        seen[node.name] = node
-        todo += [functions[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in functions]
-    return list(seen.values())
+        seen.append(node)
+        todo += [nodes[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in nodes]
+    return seen
 
 
 def refusal(call: Call, ex: Exercise) -> str:
-    """Why ``call`` scores 0 before it runs ("" when it may run): a function not defined, or one that
-    breaks the rules (policy.py)."""
+    """Why ``call`` scores 0 before it runs ("" when it may run): a function not defined, or code it
+    reaches that breaks the rules (policy.py), the task's own included."""
     spec = call.spec()
     for name in call.params:
         if name in ex.refused:
             return f"{spec.task}: {name} {ex.refused[name]}."
         if name not in ex.functions:
             return f"{spec.task}: your exercise code has no `def {name}(...)`, so there is nothing to check."
-        for fn in _callees(ex.functions[name], ex.functions):
-            found = problems(fn, spec.forbidden, ex.names | set(ex.functions))
+        for node in _reachable(ex.functions[name], ex.nodes):
+            found = problems(node, spec.forbidden, ex.names)
             if found:
-                return f"{spec.task}: {fn.name} " + "; ".join(found) + "."
+                what = getattr(node, "name", None) or f"the statement at line {node.lineno}"
+                return f"{spec.task}: {what} " + "; ".join(found) + "."
     return ""
 
 

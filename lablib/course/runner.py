@@ -11,14 +11,18 @@ from __future__ import annotations
 import builtins
 import importlib
 import json
+import linecache
 import math
 import os
+import resource
 import signal
 import sys
 import threading
 import traceback
 
 from ..checks.policy import MODULES, SAFE_BUILTINS
+
+MAX_FILE = 256 << 20  # bytes of any file the box writes (results are a few MB)
 
 
 def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
@@ -67,6 +71,8 @@ def main(request_path: str, results_path: str) -> int:
 
     with open(request_path, encoding="utf-8") as f:
         request = json.load(f)
+    # No file written here grows past what results need: the box's folder is on the grader's disk.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE, MAX_FILE))
     nonce, limit = request["nonce"], float(request["check_timeout"])
     out = open(results_path, "a", encoding="utf-8")
 
@@ -80,8 +86,11 @@ def main(request_path: str, results_path: str) -> int:
         for lab in request["labs"]:
             ns = namespace()
             for cell in lab["cells"]:
+                filename = f"<{lab['lab']} {cell['name']}>"
+                # inspect can read it back, so each check's rules apply here too (checks.vet)
+                linecache.cache[filename] = (len(cell["source"]), None, cell["source"].splitlines(True), filename)
                 try:
-                    exec(compile(cell["source"], f"<{cell['name']}>", "exec"), ns)
+                    exec(compile(cell["source"], filename, "exec"), ns)
                 except BaseException as exc:  # noqa: BLE001 - a learner's cell may raise anything
                     emit(lab=lab["lab"], cell=cell["name"],
                          error=f"{type(exc).__name__}: {exc}".strip()[:2000])
@@ -93,7 +102,7 @@ def main(request_path: str, results_path: str) -> int:
                 fns = tuple(ns.get(name) for name in call["params"])
                 size, seed = call["world_size"], call["seed"]
                 try:
-                    vet(check.task, check.params, fns, {})
+                    vet(check.task, check.params, fns, check.forbidden)
                     pool = None
                     if size is not None:
                         if size not in pools:
