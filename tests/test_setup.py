@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -203,7 +204,7 @@ def choose(tmp_path, *, driver, index, torch_index_url=None):
     if torch_index_url:
         env["TORCH_INDEX_URL"] = torch_index_url
     start = time.monotonic()
-    out = sourced('choose_torch_index python3; printf "%s\\n%s\\n" "$TORCH_INDEX" "$TORCH_REASON"', env=env)
+    out = sourced(f'choose_torch_index "{sys.executable}"; printf "%s\\n%s\\n" "$TORCH_INDEX" "$TORCH_REASON"', env=env)
     assert out.returncode == 0, out.stderr
     chosen, reason = out.stdout.split("\n")[:2]
     return chosen, reason, time.monotonic() - start
