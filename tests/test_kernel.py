@@ -63,6 +63,16 @@ def test_ranks_magic_reports_a_rank_error_with_the_cell_line(kernel):
     assert "raise KeyError('missing shard')" in reply["evalue"]  # the cell's source line, quoted
 
 
+def test_a_rank_traceback_names_the_notebook_cell(kernel):
+    km, kc = kernel
+    reply, *_ = _execute(kc, "import lablib\ndef boom():\n    raise KeyError('missing shard')")
+    assert reply["status"] == "ok"
+    reply, *_ = _execute(kc, "lablib.cluster(2).run(boom)")
+    assert reply["status"] == "error" and reply["ename"] == "RankError"
+    assert f"Cell In[{reply['execution_count'] - 1}], line 3, in boom" in reply["evalue"], reply["evalue"]
+    assert "ipykernel_" not in reply["evalue"]
+
+
 def test_stop_button_interrupts_every_rank_and_the_next_run_works(kernel):
     km, kc = kernel
     _execute(kc, "c = lablib.cluster(2)\nimport time, torch, torch.distributed as dist\n"
@@ -98,3 +108,4 @@ def test_a_killed_kernel_leaves_no_rank_behind(kernel):
     assert pids and all(os.path.exists(f"/proc/{p}") for p in pids)
     km.shutdown_kernel(now=True)  # SIGKILL, as a crash or a forced restart does
     assert wait_gone(pids)
+

@@ -77,8 +77,10 @@ def _send_recv_hint(ops: set) -> str:
             "isend/irecv and then wait on both.")
 
 
-def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float) -> str:
-    """Root cause first (the earliest real error), then one line per other rank, then tracebacks."""
+def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float,
+                    cells: dict | None = None) -> str:
+    """Root cause first (the earliest real error), then one line per other rank, then tracebacks, in
+    which a notebook cell's file is named as IPython names it (``cells``: {file: "Cell In[5]"})."""
     cats = {r: category(f) for r, f in failures.items()}
     ranks = sorted(failures, key=lambda r: (_ORDER.index(cats[r]), failures[r].time))
     head, others = _headline(failures, cats, ranks, stop_reason, world_size, timeout)
@@ -94,8 +96,10 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
         lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
                      "the same collectives in the same order, with matching shapes; lablib.cluster(n, debug=True) "
                      "names the first mismatch at once.")
-    lines += _tracebacks(failures, cats, ranks)
-    return "\n".join(lines)
+    text = "\n".join(lines + _tracebacks(failures, cats, ranks))
+    for filename, name in (cells or {}).items():
+        text = text.replace(f'File "{filename}", line', f"{name}, line")
+    return text
 
 
 def _op(f: Failure) -> str:

@@ -31,6 +31,18 @@ def cell_sources():
             if len(e) == 4 and e[2] and ("ipykernel" in f or f.startswith("<")) and not os.path.exists(f)}
 
 
+def cell_names() -> dict[str, str]:
+    """{file name IPython compiled a cell under: "Cell In[5]"}, as IPython names cells in tracebacks."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        names = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
+    except ImportError:
+        return {}
+    return {f: f"Cell In[{n}]" for f, n in names.items()}
+
+
 class StopButton:
     """While a job runs, SIGINT (the stop button, Ctrl-C) is counted here rather than raised wherever
     the main thread happens to be: a KeyboardInterrupt raised inside a finalizer or a library's
@@ -138,7 +150,7 @@ class Job:
         if self.failures:
             ordered = [values.get(r) for r in range(self.pool.world_size)]
             message = failure_message(self.failures, set(values) - set(self.failures), self.stop_reason,
-                                      self.pool.world_size, self.pool.timeout)
+                                      self.pool.world_size, self.pool.timeout, cell_names())
             stopped = [r for r, f in self.failures.items() if category(f) in ("stopped", "Stuck")]
             raise RankError(message, self.failures, stopped, ordered)
         return [values[r] for r in range(self.pool.world_size)]
