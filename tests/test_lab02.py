@@ -69,6 +69,24 @@ def test_sweep_rows_and_bandwidth_arithmetic(cluster):
         assert r["bytes"] % n == 0
 
 
+def test_the_sweep_times_the_learners_ring_once_its_check_passed(cluster):
+    from lablib.checks import PASSED
+
+    def mine(output, input):  # right, and the learner's: only used once Task 2.2's check has passed
+        ring.ring_all_gather(output, input)
+
+    assert B.learner_rings(all_gather=mine)[1]["all_gather"] == "lablib's"
+    PASSED.add("Task 2.2")
+    try:
+        chosen, whose = B.learner_rings(all_gather=mine, reduce_scatter=mine)
+    finally:
+        PASSED.discard("Task 2.2")
+    assert chosen["all_gather"] is mine and whose == {"all_gather": "yours", "reduce_scatter": "lablib's",
+                                                      "all_reduce": "lablib's"}
+    rows = B.sweep(cluster, [1 << 12], iters=1, ring=chosen, whose=whose)
+    assert {(r["op"], r["whose"]) for r in rows if r["impl"] == "ring"} == set(whose.items())
+
+
 def test_alpha_beta_fit_recovers_a_known_machine():
     alpha, beta = 50e-6, 2e9
     rows = [dict(n=n, bytes=s, op="all_gather", impl="ring", seconds=B.predict("all_gather", s, n, alpha, beta))

@@ -70,10 +70,12 @@ def sweep_figure(rows, metric: str = "busbw"):
     for col, op in enumerate(OPS, start=1):
         for impl, kind in (("ring", op), ("torch", op), ("torch", "memcpy")):
             for n in sorted({r["n"] for r in rows}):
-                pts = sorted((r["bytes"], r[metric]) for r in rows if (r["impl"], r["op"], r["n"]) == (impl, kind, n))
-                name = "memory copy" if kind == "memcpy" else ("ring" if impl == "ring" else "torch.distributed")
+                mine = [r for r in rows if (r["impl"], r["op"], r["n"]) == (impl, kind, n)]
+                pts = sorted((r["bytes"], r[metric]) for r in mine)
+                whose = f" ({mine[0]['whose']})" if mine and mine[0].get("whose") else ""
+                name = "memory copy" if kind == "memcpy" else (f"ring{whose}" if impl == "ring" else "torch.distributed")
                 fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
-                                name=f"{name}, N={n}", legendgroup=f"{name}{n}", showlegend=col == 1,
+                                name=f"{name}, N={n}", legendgroup=f"{name}{n}", showlegend=col == 1 or impl == "ring",
                                 line=dict(color=color["memcpy" if kind == "memcpy" else impl], dash=dash.get(n)),
                                 marker=dict(size=5), row=1, col=col)
     fig.update_xaxes(type="log", title="bytes")
