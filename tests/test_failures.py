@@ -70,9 +70,10 @@ def _never_arrives():
 
 
 # On a busy machine the ranks' timeouts fire at different moments: the first rank to time out closes
-# its connections, and a peer still waiting then reports a lost peer instead of its own timeout. Either
-# way the message must name the timeout and every rank with the collective it was in.
-_IN = r"rank {r}(?: in|: left) {op}"
+# its connections, and a peer still waiting then reports a lost peer instead of its own timeout, or is
+# stopped by lablib before its own timeout fires. Either way the message must name the timeout and
+# every rank with the collective it was in.
+_IN = r"rank {r}(?: in|: left|: did not finish; stopped by lablib in) {op}"
 
 
 @pytest.mark.parametrize("fn, expect", [

@@ -123,7 +123,7 @@ def _one_line(f: Failure, cat: str, timeout: float) -> str:
     return {
         "lost peer": f"left {_op(f)} because a peer had failed (Connection closed by peer)",
         "timeout": f"{_op(f)} timed out after {timeout:g} s waiting for a peer",
-        "stopped": "did not finish; stopped by lablib (where it was: below)",
+        "stopped": f"did not finish; stopped by lablib{' in ' + f.op if f.op else ''} (where it was: below)",
         "Stuck": "stuck inside a C++ call (usually a collective waiting for a peer) and did not respond to "
                  "SIGINT; killed and restarted",
         "WorkerDied": f.message,

@@ -91,7 +91,7 @@ class _Rank:
         self.conn = Client(env["LABLIB_ADDRESS"], authkey=bytes.fromhex(env.pop("LABLIB_AUTHKEY")))
         self._send_lock = threading.Lock()
         self.gen = None  # generation of the live process group
-        self.group = None  # the default group lablib made
+        self.group = None  # id() of the default group lablib made: a reference would keep its sockets open
 
     def send(self, msg):
         data = P.encode(msg)
@@ -128,14 +128,15 @@ class _Rank:
         # otherwise close its sockets while a slower peer is still connecting to them, and that
         # peer would wait for the full timeout.
         dist.barrier()
-        self.gen, self.group = gen, _default_group()
+        self.gen, self.group = gen, id(_default_group())
 
     def check_process_group(self):
         """After a job: if it replaced the default process group (another size, or another group),
         drop that group with a warning, so the next job gets lablib's own again."""
         import torch.distributed as dist
 
-        if not dist.is_initialized() or _default_group() is self.group:
+        if not dist.is_initialized() or (id(_default_group()) == self.group
+                                         and dist.get_world_size() == self.world_size):
             return
         size = dist.get_world_size()
         print(f"lablib: rank {self.rank}: this job replaced the default process group (now {size} rank(s), not "
