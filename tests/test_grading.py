@@ -329,6 +329,8 @@ def test_the_quiz_counts_first_attempts(course):
 def test_code_cannot_write_outside_its_box(course):
     """The vandal wrote to the release and to a later learner's notebook, in its box only: the fixture
     finds both files unchanged, and the later learner gets full marks."""
+    if not available()[0] and os.environ.get("LABLIB_REQUIRE_SANDBOX") != "1":
+        pytest.skip("no sandbox here: install bubblewrap (apt-get install bubblewrap) to run this test")
     _, _, rows, _ = course
     assert _row(rows, "zz_later", "TOTAL")[:2] == (FULL, FULL)
 
