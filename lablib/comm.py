@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .timeline import AsyncSpan, span
+from .timeline import RECORDER, AsyncSpan, span
 
 # torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
 # loops). PyTorch 2.13 renamed them and warns on the old names.
@@ -115,7 +115,8 @@ def _traced(name, nbytes, async_op, call, tensor, op, **meta):
     if async_op:
         return Work(call(), AsyncSpan(name, "comm", nbytes, op=op, **meta))
     with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
-        before = None if tensor.is_cuda else written()
+        # Only while recording: a timing loop (bandwidth.sweep) must not pay two /proc reads a message.
+        before = written() if RECORDER.spans is not None and not tensor.is_cuda else None
         out = call()
         if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
             torch.cuda.synchronize(tensor.device)
