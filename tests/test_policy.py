@@ -117,3 +117,14 @@ def test_the_task_rules_follow_every_name_the_function_reaches():
                 False)
     why = refusal(call, exercise_code(_nb(table)))
     assert "uses dist.all_gather_into_tensor" in why or "uses lablib.isend" in why, why
+
+
+@pytest.mark.parametrize("source", [
+    "def f(t):\n    dist.all_gather_into_tensor(t, t)",
+    "def f(t):\n    torch.distributed.all_gather_into_tensor(t, t)",
+    "def f(t):\n    d = torch.distributed\n    d.all_gather_into_tensor(t, t)",
+    "def f(t):\n    import torch.distributed as d\n    d.all_gather_into_tensor(t, t)",
+])
+def test_a_rule_on_dist_holds_however_torch_distributed_is_spelled(source):
+    rule = {"dist.all_gather_into_tensor": "use lablib.all_gather"}
+    assert any("use lablib.all_gather" in p for p in problems(ast.parse(source), rule)), source

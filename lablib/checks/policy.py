@@ -76,6 +76,16 @@ def _is_path(node) -> bool:
     return isinstance(node, ast.Name)
 
 
+def _module_of(node, modules: dict[str, str]) -> str | None:
+    """The library module ``node`` holds: a name bound to one, or ``torch.distributed`` spelled out
+    (held as "dist", so a rule on ``dist.x`` applies to ``torch.distributed.x`` too)."""
+    if isinstance(node, ast.Name):
+        return modules.get(node.id)
+    if isinstance(node, ast.Attribute) and node.attr == "distributed" and _module_of(node.value, modules) == "torch":
+        return "dist"
+    return None
+
+
 def _aliases(tree) -> dict[str, str]:
     """{name: the library module it holds}: torch, dist, math, lablib, and every name bound to one of
     them or to an attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
@@ -95,8 +105,9 @@ def _aliases(tree) -> dict[str, str]:
             elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and _is_path(node.value):
                 root = _root(node.value)
                 if root in out:
+                    held = _module_of(node.value, out) if _module_of(node.value, out) == "dist" else out[root]
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    pairs = [(n.id, out[root]) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+                    pairs = [(n.id, held) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
             for name, module in pairs:
                 if out.get(name) != module:
                     out[name], changed = module, True
@@ -141,7 +152,7 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
             elif node.id not in bound and node.id not in GLOBALS and node.id not in SAFE_BUILTINS:
                 add(node, f"uses {node.id}, which is neither yours, nor torch/dist/math/lablib, nor a plain builtin")
         elif isinstance(node, ast.Attribute):
-            module = modules.get(node.value.id) if isinstance(node.value, ast.Name) else None
+            module = _module_of(node.value, modules)
             why = _forbidden_attr(node.attr, forbidden) or (module and forbidden.get(f"{module}.{node.attr}"))
             if node.attr.startswith("_"):
                 add(node, f"uses the private attribute .{node.attr}")
