@@ -9,13 +9,24 @@ call to return; ``async_op=True`` calls return a ``Work`` whose span runs from i
 lab 02. ``bytes_sent`` models that traffic for the ring algorithms; on Gloo each synchronous span
 also carries ``wire``, the bytes this rank really wrote to its sockets during the call (the
 kernel's count, /proc/self/io), and ``bytes_on_wire`` adds those up.
+
+``simulated(link)`` runs the traced collectives on this rank over a simulated interconnect: the real
+collective still moves the data (results stay real), at once and off the clock (the rank's span clock
+pauses while it runs), and the span lasts what the link would take under lab 02's α-β model, from the
+moment the last rank issued it; a link carries one collective at a time (point-to-point messages
+keep their real time). Compute stays real and measured. On a CPU, where Gloo's copies compete with compute for the same cores, this shows what
+overlap gives with a link that has its own engine (NCCL on its own CUDA stream, an RDMA NIC).
 """
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .timeline import RECORDER, AsyncSpan, span
+from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
 
 # torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
 # loops). PyTorch 2.13 renamed them and warns on the old names.
@@ -31,22 +42,40 @@ def device() -> torch.device:
 
 
 class Work:
-    """Wraps a ``torch.distributed`` work handle so its span closes when the work completes."""
+    """Wraps a ``torch.distributed`` work handle so its span closes when the work completes (under a
+    simulated link: at ``end``, ns on the span clock). ``waited``: whether ``wait()`` was called."""
 
-    def __init__(self, work, trace: AsyncSpan):
-        self._work, self._span = work, trace
-        try:
-            work.get_future().add_done_callback(trace.close)
-        except (RuntimeError, AttributeError):  # some backends' send/recv works have no future
-            pass
+    def __init__(self, work, trace: AsyncSpan, end: int | None = None):
+        self._work, self._span, self._end = work, trace, end
+        self.waited = False
+        if end is None:
+            try:
+                work.get_future().add_done_callback(trace.close)
+            except (RuntimeError, AttributeError):  # some backends' send/recv works have no future
+                pass
+
+    @property
+    def op(self) -> str | None:
+        return self._span.meta.get("op")
+
+    @property
+    def nbytes(self) -> int | None:
+        """The bytes this rank contributes (as on its span)."""
+        return self._span.bytes
 
     def wait(self, *args):
-        out = self._work.wait(*args)
-        self._span.close()
+        if self._end is None:
+            out = self._work.wait(*args)
+            self._span.close()
+        else:  # the data is here already; the link would still be busy until _end
+            out = True
+            _sleep_until(self._end)
+            self._span.close(at=self._end)
+        self.waited = True
         return out
 
     def is_completed(self):
-        return self._work.is_completed()
+        return self._work.is_completed() if self._end is None else _now() >= self._end
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -111,7 +140,94 @@ def written() -> int | None:
     return None
 
 
+# -- a simulated link ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """An interconnect under the α-β model: α seconds per message step, β bytes per second per rank."""
+    name: str
+    alpha: float
+    beta: float
+    source: str = ""
+
+    def seconds(self, op: str, nbytes: int, n: int) -> float:
+        """The ring algorithm's time for ``op`` when this rank contributes ``nbytes`` (lab 02's model:
+        ring steps × α + bytes each rank sends / β)."""
+        full = nbytes * (n if op == "all_gather" else 1)
+        return ring_steps(op, n) * self.alpha + BUS_FACTOR.get(op, lambda n: 1.0)(n) * full / self.beta
+
+    def __str__(self):
+        return (f"{self.name}: α = {self.alpha * 1e6:.0f} µs, β = {self.beta / 1e9:.3g} GB/s"
+                + (f" ({self.source})" if self.source else ""))
+
+
+# Stated figures, for simulated links. Ethernet: the line rate / 8; α: a typical small-message latency
+# through a kernel TCP stack.
+LINKS = {
+    "1GbE": Link("1 Gb/s Ethernet", 50e-6, 0.125e9, "datasheet line rate, typical TCP latency"),
+    "2.5GbE": Link("2.5 Gb/s Ethernet", 25e-6, 0.3125e9, "datasheet line rate, typical TCP latency"),
+    "10GbE": Link("10 Gb/s Ethernet", 25e-6, 1.25e9, "datasheet line rate, typical TCP latency"),
+    "25GbE": Link("25 Gb/s Ethernet", 15e-6, 3.125e9, "datasheet line rate, typical TCP latency"),
+}
+
+
+class _Simulation:
+    link: Link | None = None
+    free = 0  # when the link finishes what it carries now (span clock, ns)
+
+
+_SIM = _Simulation()
+
+
+@contextmanager
+def simulated(link: Link | None):
+    """Within the block, this rank's traced collectives run over ``link`` (None: the real one). Every
+    rank must enter it together (after a barrier): the ranks' span clocks restart in step."""
+    before = _SIM.link
+    _SIM.link, _SIM.free = link, 0
+    restart_clock()
+    try:
+        yield link
+    finally:
+        _SIM.link = before
+        restart_clock()
+
+
+def restart_clock() -> None:
+    """Undo the paused time; call on every rank right after a barrier, so the span clocks agree again."""
+    CLOCK.paused = 0
+
+
+def _sleep_until(t: int) -> None:
+    left = t - _now()
+    if left > 0:
+        time.sleep(left / 1e9)
+
+
+def _over_link(link, name, nbytes, async_op, call, op, meta):
+    issued = _now()
+    real = time.perf_counter_ns()
+    work = call()
+    if async_op:
+        work.wait()
+    last = torch.tensor([issued], dtype=torch.int64)
+    dist.all_reduce(last, dist.ReduceOp.MAX)  # the link starts when the last rank has issued
+    CLOCK.paused += time.perf_counter_ns() - real
+    start = max(int(last.item()), _SIM.free)
+    end = _SIM.free = start + round(link.seconds(op, nbytes, dist.get_world_size()) * 1e9)
+    meta = {**meta, "op": op, "simulated": link.name}
+    if async_op:
+        trace = AsyncSpan(name, "comm", nbytes, **meta)
+        trace.t0 = issued
+        return Work(work, trace, end)
+    _sleep_until(end)
+    if RECORDER.spans is not None:
+        RECORDER.spans.append(RawSpan(name, "comm", issued, end, RECORDER.depth, nbytes, False, meta))
+    return None
+
+
 def _traced(name, nbytes, async_op, call, tensor, op, **meta):
+    if _SIM.link is not None and op not in ("send", "recv"):
+        return _over_link(_SIM.link, name, nbytes, async_op, call, op, meta)
     if async_op:
         return Work(call(), AsyncSpan(name, "comm", nbytes, op=op, **meta))
     with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
@@ -138,8 +254,37 @@ def all_gather(output, input, group=None, async_op=False, name="all_gather"):
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
-    return _traced(name, input.nbytes, async_op,
-                   lambda: reduce_scatter_single(output, input, op, group, async_op), input, "reduce_scatter")
+    def call():
+        if async_op and not input.is_cuda and dist.get_backend(group) == "gloo":
+            return _GlooAsyncReduceScatter(output, input, op, group)
+        return reduce_scatter_single(output, input, op, group, async_op)
+
+    return _traced(name, input.nbytes, async_op, call, input, "reduce_scatter")
+
+
+class _GlooAsyncReduceScatter:
+    """Gloo runs an asynchronous reduce-scatter only once it is waited for (PyTorch 2.13: the work does
+    not progress before ``wait()``), so nothing could overlap it. Gloo builds its reduce-scatter from an
+    all-reduce anyway; this issues that all-reduce (on a copy), which Gloo does run in the background,
+    and copies this rank's chunk out when it completes: the same bytes on the wire, truly async."""
+
+    def __init__(self, output, input, op, group):
+        rank = dist.get_rank(group)
+        buffer = input.detach().clone()
+        self._work = dist.all_reduce(buffer, op, group, async_op=True)
+        chunk = buffer.view(-1)[rank * output.numel():(rank + 1) * output.numel()]
+        self._future = self._work.get_future().then(lambda _: output.view(-1).copy_(chunk))
+
+    def wait(self, *args):
+        self._work.wait(*args)
+        self._future.wait()
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def get_future(self):
+        return self._future
 
 
 def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):

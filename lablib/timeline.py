@@ -25,7 +25,19 @@ from typing import NamedTuple
 
 KINDS = ("compute", "comm", "idle")
 
-_now = time.perf_counter_ns
+
+
+class _Clock:
+    """This rank's clock for spans, in ns: ``perf_counter_ns`` less ``paused``, the time spent in real
+    transfers standing in for a simulated link (``comm.simulated``); 0 otherwise."""
+    paused = 0
+
+
+CLOCK = _Clock()
+
+
+def _now() -> int:
+    return time.perf_counter_ns() - CLOCK.paused
 
 
 class RawSpan(NamedTuple):
@@ -99,13 +111,14 @@ class AsyncSpan:
         self.name, self.kind, self.bytes, self.meta = name, kind, bytes, meta
         self.t0, self.closed = _now(), False
 
-    def close(self, *_):
+    def close(self, *_, at: int | None = None):
+        """Close now, or at ``at`` (ns on this rank's clock: a simulated link's completion)."""
         if self.closed:
             return
         self.closed = True
         spans = RECORDER.spans
         if spans is not None:
-            spans.append(RawSpan(self.name, self.kind, self.t0, _now(), 0, self.bytes, True, self.meta))
+            spans.append(RawSpan(self.name, self.kind, self.t0, at or _now(), 0, self.bytes, True, self.meta))
 
 
 @dataclass(frozen=True)
