@@ -20,4 +20,5 @@ LABS = (
     Lab("00_welcome", "lab00"),
     Lab("01_sharding", "lab01", ("flat", "harness", "zero", "fsdp")),
     Lab("02_collectives", "lab02", ("ring",)),
+    Lab("03_prefetch_overlap", "lab03", ("prefetch",)),
 )

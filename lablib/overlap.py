@@ -128,3 +128,10 @@ def breakdown(spans, world_size: int) -> dict[int, dict[str, float]]:
                   "waiting": max(wait, 0.0), "idle": max(hi - lo - busy, 0.0),
                   "overlap": hidden / comm if comm > 0 else 0.0}
     return out
+
+
+def hidden_fraction(timeline) -> float:
+    """Of all ranks' communication in ``timeline``, the fraction that ran under compute."""
+    rows = breakdown(timeline.spans, timeline.world_size).values()
+    comm = sum(r["comm"] for r in rows)
+    return sum(r["hidden"] for r in rows) / comm if comm else 0.0

@@ -7,6 +7,8 @@
   the feed-forward over 2 or 4 ranks. Its units (4288 and 8416 parameters) divide by 2 and 4 but not
   by 3, so 3 ranks pad.
 - ``transformer8``: 8 such blocks, 16 units, for 2- and 4-stage pipelines.
+- ``wide8``: 8 layers 512 -> 512 (GELU), 262,656 parameters each, on micro-batches of 512: enough
+  compute per layer on a CPU core to hide a layer's all-gather behind (lab 03).
 
 Every rank builds the same initial weights (a fixed seed) and draws its own micro-batch per step, the
 same every run, so a distributed run can be compared with a single-process reference.
@@ -50,6 +52,7 @@ MODELS = {
     "mlp": dict(x=(4, 13), y=(4, 7)),
     "transformer": dict(x=(3, 6, WIDTH), y=(3, 6, WIDTH)),
     "transformer8": dict(x=(3, 6, WIDTH), y=(3, 6, WIDTH)),
+    "wide8": dict(x=(512, 512), y=(512, 512)),
 }
 
 
@@ -60,6 +63,8 @@ def build_model(name: str, seed: int = 0) -> nn.Sequential:
     if name == "mlp":
         return nn.Sequential(nn.Sequential(nn.Linear(13, 37), nn.ReLU()),
                              nn.Sequential(nn.Linear(37, 37), nn.ReLU()), nn.Linear(37, 7))
+    if name == "wide8":
+        return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(8)])
     if name.startswith("transformer") and name in MODELS:
         blocks = int(name[len("transformer"):] or 1)
         return nn.Sequential(*[unit for _ in range(blocks) for unit in (Attention(), FeedForward())])

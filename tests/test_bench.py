@@ -24,16 +24,17 @@ def test_quick_run_of_a_reduced_set_gives_the_whole_table(tmp_path):
     assert len(p1) == 4 and all(r["ours"] and r["anchor"] and r["ratio"] > 0 for r in p1)
     assert all(r["ours"] and r["target"] and r["met"] in (True, False) for r in by_item["F"])
     assert [r["note"] for r in by_item["P2"]] == ["left out by --quick (a whole-course run)"]
-    assert [r["note"] for r in by_item["P4"]] == ["not built"]
+    assert [r["note"] for r in by_item["P6"]] == ["not built"]
+    assert [r["note"] for r in by_item["P4"]] == ["not run (--only)"]
     lines = out.stdout.splitlines()
     assert lines[2].startswith("| item | measure | unit | course | anchor | ratio | target | met |")
     assert len([line for line in lines if line.startswith("| P1 |")]) == 4
 
 
 def test_bad_items_are_named():
-    out = subprocess.run([sys.executable, "-m", "lablib.bench", "--only", "P4,X"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "lablib.bench", "--only", "P6,X"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == 2 and "unknown item(s) P4, X" in out.stderr and "not built yet" in out.stderr
+    assert out.returncode == 2 and "unknown item(s) P6, X" in out.stderr and "not built yet" in out.stderr
 
 
 def test_the_readme_table_is_replaced_between_its_markers(tmp_path):

@@ -454,7 +454,7 @@ def test_solved_sources_follow_the_exercise_rules():
 
 
 def test_the_course_itself(tmp_path):
-    """Labs 00-02 as released: the solved sources get every check (flagged as the solution), an untouched
+    """Labs 00-03 as released: the solved sources get every check (flagged as the solution), an untouched
     learner copy none, each with the reason."""
     from lablib.course.grade import grade
     from lablib.paths import LABS, SOURCES
@@ -465,7 +465,7 @@ def test_the_course_itself(tmp_path):
             (tmp_path / "subs" / learner / path.name).write_bytes((folder / path.name).read_bytes())
     results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
-    assert len(checks) == 2 * 10
+    assert len(checks) == 2 * 13
     for (learner, item), it in checks.items():
         if learner == "solved":
             assert it.status == "passed", (item, it.detail)

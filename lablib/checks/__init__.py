@@ -79,6 +79,19 @@ def call_local(task: str, fn, what: str, hint: str, *args):
         raise CheckFailed(f"{task}: {fn.__name__}({what}) raised {type(exc).__name__}: {exc}. {hint}") from None
 
 
+def params_error(task: str, rank: int, what: str, params: list, ref: list, hint: str) -> float:
+    """The largest difference between one rank's trained parameters (a tensor per unit) and the
+    single-process reference; CheckFailed past 1e-6. ``what`` says what was trained."""
+    if not isinstance(params, list) or len(params) != len(ref):
+        raise CheckFailed(f"{task}: rank {rank} returned {len(params) if isinstance(params, list) else 'no'} units, "
+                          f"expected {len(ref)}.")
+    err = max((got - want).abs().max().item() for got, want in zip(params, ref))
+    if not err <= 1e-6:
+        raise CheckFailed(f"{task}: after {what}, rank {rank}'s parameters differ from the single-process "
+                          f"reference by {err:.2e} (tolerance 1e-6). {hint}")
+    return err
+
+
 @contextmanager
 def pools(cluster: Cluster | None, sizes=(2, 3, 4)):
     """A pool per size: the notebook's own where its size matches, else a new one like it (closed after

@@ -12,7 +12,7 @@ from ..strategies.fsdp import ZeRO3
 from ..strategies.harness import Optimizer, reference, train
 from ..strategies.zero import ZeRO1, ZeRO2
 from ..toy import build_model
-from . import Check, CheckFailed, call_local, run_on_ranks
+from . import Check, CheckFailed, call_local, params_error, run_on_ranks
 
 # -- Task 1.1: a rank's flat shard ---------------------------------------------------------------------
 def flat_cases(seed: int | None = None) -> list[tuple[int, int]]:
@@ -164,13 +164,8 @@ def judge_zero(task: str, stage: str, per_rank: list, n: int) -> str:
     for model in MODELS:
         ref = reference(model, STEPS, n)
         for rank, result in enumerate(r[model] for r in per_rank):
-            if len(result["params"]) != len(ref):
-                raise CheckFailed(f"{task}: rank {rank} returned {len(result['params'])} units, expected {len(ref)}.")
-            err = max((got - want).abs().max().item() for got, want in zip(result["params"], ref))
-            worst = max(worst, err)
-            if not err <= 1e-6:
-                raise CheckFailed(f"{task}: after {STEPS} steps of the {model}, rank {rank}'s parameters differ from "
-                                  f"the single-process reference by {err:.2e} (tolerance 1e-6). {_STAGE_HINTS[stage]}")
+            worst = max(worst, params_error(task, rank, f"{STEPS} steps of the {model}", result["params"], ref,
+                                            _STAGE_HINTS[stage]))
             expected = zero_formula(stage, sum(u.numel() + (-u.numel()) % n for u in ref), n, mixed=False,
                                     state_bytes=4)
             for kind in ("params", "grads", "optimizer"):

@@ -91,6 +91,14 @@ class Unit:
     master: torch.Tensor
     state: dict
     grad: torch.Tensor | None = None
+    work: object = None  # a collective in flight for this unit (lab 03: an async_op=True handle)
+
+    def full_grad(self) -> torch.Tensor:
+        """The unit's parameter gradients in one padded flat buffer (the per-parameter ones are freed)."""
+        from ..timeline import span
+
+        with span("copy grads", op="compute"):
+            return flat_grad(self)
 
 
 def setup(model: nn.Sequential, rank: int, world_size: int, init_state, sharded: bool = True,

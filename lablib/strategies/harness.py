@@ -54,6 +54,7 @@ class Context:
     rank: int
     world_size: int
     optimizer: Optimizer
+    depth: int = 0  # lab 03: how many units ahead to prefetch
 
     def update(self, unit: Unit, grad: torch.Tensor) -> None:
         """Optimizer step on ``unit.master`` with ``grad`` (same size); refresh ``unit.shard`` from it."""

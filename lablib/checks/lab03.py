@@ -1,0 +1,256 @@
+"""Lab 03 (prefetch and overlap): Task 3.1 (an FSDP unit's four hooks), 3.2 (prefetching, any depth)
+and 3.3 (reduce-scatters left running under the backward), each trained on the ranks against the
+single-process reference, with what every unit held after every hook checked from the first step's log."""
+from __future__ import annotations
+
+from ..strategies import prefetch
+from ..strategies.harness import Optimizer, reference
+from . import Check, CheckFailed, params_error, run_on_ranks
+
+MODELS, STEPS = ("mlp", "transformer"), 3
+# Exercises call lablib's traced collectives, so the timeline shows them; torch.distributed's own are
+# untraced.
+_TRACED = {f"dist.{name}": "use lablib.all_gather / lablib.reduce_scatter: they are traced, so the timeline "
+                           "shows what your hooks do" for name in (
+    "all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor", "reduce_scatter_single",
+    "reduce_scatter", "all_reduce", "_all_gather_base", "_reduce_scatter_base")}
+_RANK_HINTS = (
+    ("storage of size 0", "a unit computed while its flat buffer was freed: its pre-hook must resize the storage "
+                          "back (unit.layout.padded_numel * unit.flat.element_size() bytes) and fill it with "
+                          "the all-gather before the unit runs (and wait for it, if it is asynchronous)."),
+    ("no gradient shard", "post_backward must leave this rank's shard of the averaged gradient in unit.grad."),
+    ("timed out", "one rank skipped a collective the others called: every rank must issue the same "
+                  "collectives, in the same order."),
+    ("gradient computation has been modified", "a unit's parameters changed between its forward and its backward."),
+)
+
+
+def hooks_job(hooks: prefetch.Hooks, depths) -> dict:
+    """On each rank: every model trained with ``hooks`` at every depth."""
+    return {f"{model}/{d}": prefetch.train(hooks, model, STEPS, Optimizer(), depth=d) for model in MODELS for d in depths}
+
+
+def _values(task: str, per_rank: list, n: int, key: str, hint: str) -> float:
+    model = key.split("/")[0]
+    ref = reference(model, STEPS, n)
+    worst = 0.0
+    for rank, result in enumerate(r[key] for r in per_rank):
+        worst = max(worst, params_error(task, rank, f"{STEPS} steps of the {model}", result["params"], ref, hint))
+    return worst
+
+
+def _units(per_rank, key) -> int:
+    return len(per_rank[0][key]["unit_bytes"])
+
+
+def _walk(task: str, result: dict, expect, what: str, world_size: int) -> None:
+    """Compare each logged moment with ``expect(moment, i) -> (gathered, pending)`` (None: not checked),
+    and each collective in flight with the size of what it should move."""
+    log, sizes = result["log"], result["unit_bytes"]
+    for moment, i, gathered, pending in log:
+        want_gathered, want_pending = expect(moment, i)
+        where = f"after {moment}" + (f" of unit {i}" if i is not None else "") + f" ({what})"
+        if want_gathered is not None and sorted(gathered) != sorted(want_gathered):
+            raise CheckFailed(f"{task}: {where}, the units holding their full parameters should be "
+                              f"{sorted(want_gathered) or 'none'}, yours: {sorted(gathered) or 'none'}. "
+                              + _gather_hint(moment, set(gathered), set(want_gathered)))
+        if want_pending is not None:
+            got = sorted((j, op) for j, op, _ in pending)
+            if got != sorted(want_pending):
+                raise CheckFailed(f"{task}: {where}, the collectives issued and not waited for yet should be "
+                                  f"{_pairs(want_pending)}, yours: {_pairs(got)}. " + _pending_hint(moment, got, want_pending))
+            for j, op, nbytes in pending:
+                want = sizes[j] // (world_size if op == "all_gather" else 1)
+                if nbytes != want:
+                    raise CheckFailed(f"{task}: {where}, unit {j}'s {op.replace('_', '-')} in flight moves {nbytes} "
+                                      f"bytes from this rank, expected {want}: "
+                                      + ("its shard (unit.shard)." if op == "all_gather" else
+                                         "the unit's whole flat gradient (unit.full_grad())."))
+
+
+def _pairs(pairs) -> str:
+    return ", ".join(f"unit {j}'s {op.replace('_', '-')}" for j, op in sorted(pairs)) or "none"
+
+
+def _gather_hint(moment: str, got: set, want: set) -> str:
+    if got - want and moment.startswith("post"):
+        return "A unit's full parameters must be freed right after its forward and its backward (reshard)."
+    if want - got and moment.startswith("pre"):
+        return "Gather the units named (resize the flat buffer's storage, then all-gather into it)."
+    return "Prefetch exactly ctx.depth units ahead: more holds more memory, fewer hides less."
+
+
+def _pending_hint(moment: str, got, want) -> str:
+    if any(op not in ("all_gather", "reduce_scatter") for _, op in got):
+        return "Keep in unit.work the handle that lablib.all_gather(..., async_op=True) returns, and nothing else."
+    if len(got) < len(want):
+        return ("A prefetched collective must still be in flight here: issue it with async_op=True, keep its "
+                "handle in unit.work, and wait for it only when its unit is about to compute (or in finish, for "
+                "a reduce-scatter). Set unit.work = None after waiting.")
+    return "Wait for a unit's all-gather (unit.work.wait(); unit.work = None) before that unit computes."
+
+
+# -- Task 3.1: the four hooks, synchronous -----------------------------------------------------------------
+def _plain_expect(units: int):
+    def expect(moment, i):
+        if moment in ("pre_forward", "pre_backward"):
+            return [i], []
+        return [], []
+    return expect
+
+
+def collect_hooks(fns, pool, seed):
+    pre_f, post_f, pre_b, post_b = fns
+    return run_on_ranks(pool, "Task 3.1", hooks_job, prefetch.Hooks(pre_f, post_f, pre_b, post_b), (0,),
+                        hints=_RANK_HINTS)
+
+
+def judge_hooks(data, world_size, seed) -> str:
+    task = "Task 3.1"
+    if not isinstance(data, list) or len(data) != world_size:
+        raise CheckFailed(f"{task}: expected one result per rank from {world_size} ranks.")
+    worst = 0.0
+    for model in MODELS:
+        key = f"{model}/0"
+        for rank, r in enumerate(data):
+            _walk(task, r[key], _plain_expect(_units(data, key)), f"the {model}, rank {rank}", world_size)
+        worst = max(worst, _values(task, data, world_size, key, "post_backward must reduce-scatter the unit's "
+                                   "full gradient (unit.full_grad()) into this rank's shard, divide it by the "
+                                   "world size and keep it in unit.grad."))
+        for rank, r in enumerate(data):
+            held = r[key]["held"]["params"]
+            shards = sum(b // world_size for b in r[key]["unit_bytes"])
+            if held != shards:
+                raise CheckFailed(f"{task}: between steps rank {rank} holds {held} bytes of parameters, expected "
+                                  f"{shards} (its shards): free every unit after its backward.")
+    return (f" on {world_size} ranks: the MLP (padded) and the transformer block match the single-process "
+            f"reference (max error {worst:.1e}); each unit is whole only between its pre- and post-hooks")
+
+
+check_hooks = Check("Task 3.1", ("pre_forward", "post_forward", "pre_backward", "post_backward"), collect_hooks,
+                    judge_hooks, world_sizes=(2, 4), forbidden=_TRACED, every_size=True)
+"""Task 3.1: an FSDP unit's four hooks (gather, free, gather, reduce-scatter and free)."""
+
+
+# -- Task 3.2: prefetching at depth 0, 1, 2 ----------------------------------------------------------------
+DEPTHS = (0, 1, 2)
+
+
+def prefetch_expect(units: int, d: int, last_kept: bool = True):
+    last = units - 1
+
+    def ahead(i):
+        return list(range(i + 1, min(i + d, last) + 1))
+
+    def behind(i):
+        return list(range(max(i - d, 0), i))
+
+    def expect(moment, i):
+        if moment == "pre_forward":
+            return [i] + ahead(i), [(j, "all_gather") for j in ahead(i)]
+        if moment == "post_forward":
+            return ahead(i) + ([i] if i == last and last_kept else []), [(j, "all_gather") for j in ahead(i)]
+        if moment == "pre_backward":
+            return behind(i) + [i], [(j, "all_gather") for j in behind(i)]
+        if moment == "post_backward":
+            return behind(i), [(j, "all_gather") for j in behind(i)]
+        return [], []
+    return expect
+
+
+def collect_prefetch(fns, pool, seed):
+    fwd, post_f, bwd = fns
+    hooks = prefetch.Hooks(fwd, post_f, bwd, prefetch.post_backward)
+    return run_on_ranks(pool, "Task 3.2", hooks_job, hooks, DEPTHS, hints=_RANK_HINTS)
+
+
+def judge_prefetch(data, world_size, seed) -> str:
+    task = "Task 3.2"
+    if not isinstance(data, list) or len(data) != world_size:
+        raise CheckFailed(f"{task}: expected one result per rank from {world_size} ranks.")
+    for model in MODELS:
+        for d in DEPTHS:
+            key = f"{model}/{d}"
+            for rank, r in enumerate(data):
+                _walk(task, r[key], prefetch_expect(_units(data, key), d), f"the {model}, depth {d}, rank {rank}",
+                      world_size)
+            _values(task, data, world_size, key, "Wait for a unit's gather before it computes.")
+    return (f" on {world_size} ranks at depths {', '.join(map(str, DEPTHS))}: each unit's gather is issued "
+            "ctx.depth units early and waited for just before it computes; the values match the reference")
+
+
+check_prefetch = Check("Task 3.2", ("prefetch_forward", "keep_last_post_forward", "prefetch_backward"),
+                       collect_prefetch, judge_prefetch, world_sizes=(4,), forbidden=_TRACED)
+"""Task 3.2: forward and backward prefetching, ctx.depth units ahead; the last unit kept after forward."""
+
+
+# -- Task 3.3: reduce-scatters under the backward ------------------------------------------------------------
+def overlap_expect(units: int, d: int = 1):
+    base = prefetch_expect(units, d)
+
+    def expect(moment, i):
+        gathered, pending = base(moment, i)
+        if moment == "finish":
+            return [], []
+        if moment in ("pre_backward", "post_backward"):
+            done = range(i + 1 if moment == "pre_backward" else i, units)  # units whose backward has run
+            pending = pending + [(j, "reduce_scatter") for j in done]
+        return gathered, pending
+    return expect
+
+
+def collect_overlap(fns, pool, seed):
+    post_b, finish = fns
+    hooks = prefetch.Hooks(prefetch.prefetch_forward, prefetch.keep_last_post_forward, prefetch.prefetch_backward,
+                           post_b, finish)
+    return run_on_ranks(pool, "Task 3.3", hooks_job, hooks, (1,), hints=_RANK_HINTS)
+
+
+def judge_overlap(data, world_size, seed) -> str:
+    task = "Task 3.3"
+    if not isinstance(data, list) or len(data) != world_size:
+        raise CheckFailed(f"{task}: expected one result per rank from {world_size} ranks.")
+    for model in MODELS:
+        key = f"{model}/1"
+        for rank, r in enumerate(data):
+            _walk(task, r[key], overlap_expect(_units(data, key)), f"the {model}, rank {rank}", world_size)
+        _values(task, data, world_size, key, "finish must wait for every reduce-scatter still in flight and divide "
+                "each unit's gradient shard by the world size.")
+    return (f" on {world_size} ranks: every reduce-scatter stays in flight under the backward of the units "
+            "before it, finish collects them, and the values match the reference")
+
+
+check_overlap = Check("Task 3.3", ("overlap_post_backward", "finish"), collect_overlap, judge_overlap,
+                      world_sizes=(4,), forbidden=_TRACED)
+"""Task 3.3: each unit's reduce-scatter left running under the backward of the units before it."""
+
+
+# -- the notebook's measurements run the learner's hooks once they have passed ---------------------------
+_TASKS = {"pre_forward": "Task 3.1", "post_forward": "Task 3.1", "pre_backward": "Task 3.1",
+          "post_backward": "Task 3.1", "prefetch_forward": "Task 3.2", "keep_last_post_forward": "Task 3.2",
+          "prefetch_backward": "Task 3.2", "overlap_post_backward": "Task 3.3", "finish": "Task 3.3"}
+
+
+def yours(**fns) -> tuple[prefetch.Hooks, prefetch.Hooks]:
+    """(plain hooks, prefetching hooks) for the notebook's measurements: each of the learner's functions
+    whose task's check passed in this kernel, lablib's for the others (a hook not checked yet may be wrong
+    or hang). Prints whose are used."""
+    from . import PASSED
+
+    unknown = set(fns) - set(_TASKS)
+    if unknown:
+        raise TypeError(f"yours() takes {', '.join(_TASKS)}; got {', '.join(sorted(unknown))}")
+    lablibs = {**{k: getattr(prefetch.PLAIN, k) for k in ("pre_forward", "post_forward", "pre_backward",
+                                                          "post_backward")},
+               "prefetch_forward": prefetch.prefetch_forward, "keep_last_post_forward": prefetch.keep_last_post_forward,
+               "prefetch_backward": prefetch.prefetch_backward, "overlap_post_backward": prefetch.overlap_post_backward,
+               "finish": prefetch.overlap_finish}
+    chosen = {k: fns[k] if k in fns and _TASKS[k] in PASSED else f for k, f in lablibs.items()}
+    mine = sorted({_TASKS[k] for k in chosen if chosen[k] is fns.get(k)})
+    theirs = sorted(set(_TASKS.values()) - set(mine))
+    print("Measuring " + (f"your hooks of {', '.join(mine)}" if mine else "lablib's hooks")
+          + (f"; lablib's for {', '.join(theirs)} (not passed yet)" if mine and theirs else ""))
+    plain = prefetch.Hooks(chosen["pre_forward"], chosen["post_forward"], chosen["pre_backward"], chosen["post_backward"])
+    ahead = prefetch.Hooks(chosen["prefetch_forward"], chosen["keep_last_post_forward"], chosen["prefetch_backward"],
+                           chosen["overlap_post_backward"], chosen["finish"])
+    return plain, ahead

@@ -1,0 +1,300 @@
+"""FSDP as PyTorch's FSDP2 runs it: hooks around each unit's forward and backward gather, free and
+reduce-scatter its parameters; prefetching issues the next units' all-gathers while this one computes,
+and each gradient's reduce-scatter runs under the backward of the units before it (PyTorch FSDP, Zhao
+et al. 2023, https://arxiv.org/abs/2304.11277, section 3.3: backward and forward prefetching).
+
+Per unit i and step, ``train`` calls five moments, each ``fn(units, i, ctx)`` (``finish(units, ctx)``):
+
+    pre_forward    its parameters must be whole  (prefetching: also issue the gathers of i+1..i+depth)
+    post_forward   free them again
+    pre_backward   whole again                   (prefetching: also issue those of i-1..i-depth)
+    post_backward  reduce-scatter its gradient to the owners; free the parameters
+    finish         after the whole backward: wait for reduce-scatters still in flight
+
+then the sharded optimizer step on each rank's shard. Unlike lab 01's loop (fsdp.py), which recomputes
+each unit's forward, this keeps autograd's saved activations, as FSDP does: freeing a unit's flat buffer
+after its forward empties the storage its saved weights point to, and the gather before its backward
+fills the same storage again. The functions below are lablib's answers; a lab runs the learner's.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..memory import held_bytes
+from ..timeline import RECORDER, RawSpan, _now, span
+from ..toy import batch, build_model, loss_fn
+from .flat import Unit, setup
+from .harness import Context, Optimizer, gather_full
+
+
+# -- lablib's answers ----------------------------------------------------------------------------------
+def unshard(unit: Unit) -> None:
+    unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
+    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
+
+
+def reshard(unit: Unit) -> None:
+    unit.flat.untyped_storage().resize_(0)
+
+
+def pre_forward(units, i, ctx):
+    unshard(units[i])
+
+
+def post_forward(units, i, ctx):
+    reshard(units[i])
+
+
+def pre_backward(units, i, ctx):
+    unshard(units[i])
+
+
+def post_backward(units, i, ctx):
+    unit = units[i]
+    full = unit.full_grad()
+    unit.grad = torch.empty(unit.layout.shard_numel)
+    comm.reduce_scatter(unit.grad, full, name="reduce_scatter grads")
+    unit.grad /= ctx.world_size
+    reshard(unit)
+
+
+def no_finish(units, ctx):
+    pass
+
+
+def issue_gather(unit: Unit) -> None:
+    """Start the unit's all-gather unless it is gathered or on its way already."""
+    if unit.flat.untyped_storage().nbytes() == 0:
+        unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
+        unit.work = comm.all_gather(unit.flat, unit.shard, async_op=True, name="all_gather params")
+
+
+def wait(unit: Unit) -> None:
+    if unit.work is not None:
+        unit.work.wait()
+        unit.work = None
+
+
+def keep_last_post_forward(units, i, ctx):
+    if i < len(units) - 1:  # the last unit's backward comes right after its forward: keep it whole
+        reshard(units[i])
+
+
+def prefetch_forward(units, i, ctx):
+    for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):  # i first: the others queue behind it
+        issue_gather(units[j])
+    wait(units[i])
+
+
+def prefetch_backward(units, i, ctx):
+    for j in range(i, max(i - ctx.depth, 0) - 1, -1):
+        issue_gather(units[j])
+    wait(units[i])
+
+
+def overlap_post_backward(units, i, ctx):
+    unit = units[i]
+    full = unit.full_grad()
+    unit.grad = torch.empty(unit.layout.shard_numel)
+    unit.work = comm.reduce_scatter(unit.grad, full, async_op=True, name="reduce_scatter grads")
+    reshard(unit)
+
+
+def overlap_finish(units, ctx):
+    for unit in units:
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+            unit.grad /= ctx.world_size
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The five moments of an FSDP unit (see the module's docstring)."""
+    pre_forward: Callable = pre_forward
+    post_forward: Callable = post_forward
+    pre_backward: Callable = pre_backward
+    post_backward: Callable = post_backward
+    finish: Callable = no_finish
+
+
+PLAIN = Hooks()
+PREFETCH = Hooks(prefetch_forward, keep_last_post_forward, prefetch_backward, overlap_post_backward, overlap_finish)
+
+
+# -- running them ----------------------------------------------------------------------------------------
+class Record:
+    """What the units hold after each moment: the first step's log (for the checks), the peak bytes of
+    gathered parameters (every step), and the forward and backward compute spans."""
+
+    def __init__(self, units):
+        self.units, self.log, self.logging, self.peak, self.open_span = units, [], False, 0, None
+
+    def after(self, moment: str, i):
+        gathered = [j for j, u in enumerate(self.units) if u.flat.untyped_storage().nbytes()]
+        self.peak = max(self.peak, sum(self.units[j].flat.untyped_storage().nbytes() for j in gathered))
+        if self.logging:
+            pending = [[j, u.work.op, u.work.nbytes] if isinstance(u.work, comm.Work) else [j, type(u.work).__name__, 0]
+                       for j, u in enumerate(self.units)
+                       if u.work is not None and not getattr(u.work, "waited", False)]
+            self.log.append([moment, i, gathered, pending])
+
+    def open(self, name: str, unit: int):
+        self.open_span = (name, unit, _now())
+
+    def close(self):
+        if self.open_span is not None and RECORDER.spans is not None:
+            name, unit, t0 = self.open_span
+            RECORDER.spans.append(RawSpan(name, "compute", t0, _now(), 0, None, False, {"unit": unit}))
+        self.open_span = None
+
+
+def attach(units, ctx, hooks: Hooks, record: Record) -> list:
+    """Register the hooks on each unit's module; returns the handles (``.remove()`` them after)."""
+    handles, left = [], {}  # left[i]: unit i's parameters whose gradient is still to come
+    for i, unit in enumerate(units):
+
+        def pre_fwd(module, args, i=i):
+            hooks.pre_forward(units, i, ctx)
+            record.after("pre_forward", i)
+            record.open(f"fwd unit {i}", i)
+
+        def post_fwd(module, args, out, i=i):
+            record.close()
+            hooks.post_forward(units, i, ctx)
+            record.after("post_forward", i)
+            if out.requires_grad:  # fires when the gradient of the unit's output is ready: its backward is next
+                out.register_hook(lambda grad, i=i: pre_bwd(i))
+
+        def pre_bwd(i):
+            hooks.pre_backward(units, i, ctx)
+            record.after("pre_backward", i)
+            record.open(f"bwd unit {i}", i)
+            left[i] = len(list(units[i].module.parameters()))
+
+        def grad_ready(param, i=i):  # after each parameter's gradient is accumulated
+            left[i] -= 1
+            if left[i] == 0:  # the unit's backward is done
+                record.close()
+                hooks.post_backward(units, i, ctx)
+                record.after("post_backward", i)
+
+        handles.append(unit.module.register_forward_pre_hook(pre_fwd))
+        handles.append(unit.module.register_forward_hook(post_fwd))
+        handles += [p.register_post_accumulate_grad_hook(grad_ready) for p in unit.module.parameters()]
+    return handles
+
+
+def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
+          depth: int = 0, link: comm.Link | None = None, warmup: int = 0) -> dict:
+    """Train on this rank (inside ``cluster.run``) with FSDP units driven by ``hooks``.
+
+    ``depth``: how far ahead prefetching hooks gather (``ctx.depth``); ``link``: a simulated link
+    (``comm.LINKS``) for every collective; ``warmup``: steps run before the timeline starts recording.
+    Returns the full parameters (gathered), the losses, the first step's log of what each unit held
+    after each moment, the peak bytes of gathered parameters, the bytes held between steps, and the
+    seconds of each recorded step."""
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ctx = Context(rank, n, optimizer, depth)
+    units = setup(build_model(model_name), rank, n, optimizer.init_state, sharded=True, frees_params=True)
+    model = nn.Sequential(*(u.module for u in units))
+    record = Record(units)
+    handles = attach(units, ctx, hooks, record)
+    losses, seconds = [], []
+    try:
+        with comm.simulated(link):
+            for step in range(warmup + steps):
+                if step == warmup:
+                    dist.barrier()  # start the recorded steps together (untraced)
+                    comm.restart_clock()
+                    if RECORDER.spans is not None:
+                        RECORDER.spans.clear()
+                record.logging = step == 0
+                t = _now()
+                x, y = batch(model_name, step, rank)
+                out = model(x)
+                with span("loss"):
+                    loss = loss_fn(out, y)
+                loss.backward()
+                hooks.finish(units, ctx)
+                record.after("finish", None)
+                with span("optimizer step"):
+                    for i, u in enumerate(units):
+                        if not isinstance(u.grad, torch.Tensor):
+                            raise RuntimeError(
+                                f"unit {i} has no gradient shard after the backward pass: post_backward (or "
+                                "finish) must leave this rank's shard of the averaged gradient in unit.grad")
+                        ctx.update(u, u.grad)
+                        u.grad = None
+                losses.append(loss.item())
+                if step >= warmup:
+                    seconds.append((_now() - t) / 1e9)
+    finally:
+        for h in handles:
+            h.remove()
+    return {"params": gather_full(units, True), "losses": losses, "log": record.log, "peak": record.peak,
+            "held": held_bytes(units), "unit_bytes": [u.layout.padded_numel * 4 for u in units],
+            "seconds": seconds}
+
+
+def step_seconds(results) -> float:
+    """A step's time: the median over steps of the slowest rank."""
+    return statistics.median(max(r["seconds"][k] for r in results) for k in range(len(results[0]["seconds"])))
+
+
+def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmup: int = 0,
+                optimizer: Optimizer = Optimizer()) -> dict:
+    """PyTorch's FSDP2 on the same model and batches, prefetching ``depth`` units ahead in both passes
+    (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``; 0: FSDP2's defaults).
+    Returns the full parameters (named as in the model) and the seconds of each step after ``warmup``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model(model_name)
+    units = list(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if depth:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
+            unit.set_modules_to_backward_prefetch(units[max(i - depth, 0):i][::-1])
+    opt = torch.optim.SGD(model.parameters(), lr=optimizer.lr, momentum=optimizer.momentum)
+    seconds = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            dist.barrier()
+            if RECORDER.spans is not None:
+                RECORDER.spans.clear()
+        t = _now()
+        x, y = batch(model_name, step, dist.get_rank())
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= warmup:
+            seconds.append((_now() - t) / 1e9)
+    return {"params": [(name, p.full_tensor().detach().clone()) for name, p in model.named_parameters()],
+            "seconds": seconds}
+
+
+def measure(cluster, hooks: Hooks, depth: int = 0, link: comm.Link | None = None, model_name: str = "wide8",
+            steps: int = 2) -> dict:
+    """Train ``steps`` recorded steps (after one warm-up step) on ``cluster``: the step time (median over
+    steps of the slowest rank), the peak bytes of full parameters a rank held, the timeline and the
+    fraction of its communication that ran under compute."""
+    from ..overlap import hidden_fraction
+
+    results = cluster.run(train, hooks, model_name, steps, depth=depth, link=link, warmup=1)
+    timeline = cluster.timeline()
+    return {"depth": depth, "step": step_seconds(results), "peak": max(r["peak"] for r in results),
+            "timeline": timeline, "hidden": hidden_fraction(timeline)}

@@ -1,0 +1,21 @@
+"""Figures for lab 03: what prefetching deeper costs in memory against what it saves in step time."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+
+def depth_figure(rows, title="Prefetch depth: peak gathered parameters vs step time (both measured)"):
+    """One point per depth: ``rows`` are dicts with depth, peak (bytes of full parameters a rank held at
+    once, counted from their storage), step (seconds) and hidden (fraction of communication under
+    compute)."""
+    fig = go.Figure(go.Scatter(
+        x=[r["peak"] / 1e6 for r in rows], y=[r["step"] * 1e3 for r in rows], mode="lines+markers+text",
+        text=[f"depth {r['depth']}" for r in rows], textposition="top center", marker=dict(size=12, color="#0072B2"),
+        customdata=[[r["hidden"]] for r in rows],
+        hovertemplate="peak %{x:.2f} MB, step %{y:.1f} ms, %{customdata[0]:.0%} of comm hidden<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title="peak full parameters held per rank (MB, measured)",
+                      yaxis_title="step time (ms, measured)", height=380, margin=dict(t=50, b=40),
+                      plot_bgcolor="white")
+    fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")
+    fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")
+    return fig
