@@ -88,12 +88,27 @@ def spans_from_trace(events: list[dict], mark_ns: int) -> list[RawSpan]:
     return spans
 
 
+_BEGIN: list = [None, None]  # where the part worth drawing begins and ends (perf_counter_ns), if fn says
+
+
+def steps_begin() -> None:
+    """Called by ``fn`` under ``profiled`` where the part worth drawing begins (after set-up and warm-up):
+    what the profiler saw before it is left out."""
+    _BEGIN[0] = time.perf_counter_ns()
+
+
+def steps_end() -> None:
+    """Called by ``fn`` under ``profiled`` where the part worth drawing ends (before gathering results)."""
+    _BEGIN[1] = time.perf_counter_ns()
+
+
 def profiled(fn, *args, **kwargs):
     """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)`` under ``torch.profiler``; what the
-    profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records)."""
+    profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records), between
+    where ``fn`` called ``steps_begin()`` and ``steps_end()`` if it did."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    own, RECORDER.spans = RECORDER.spans, None
+    own, RECORDER.spans, _BEGIN[:] = RECORDER.spans, None, [None, None]
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             mark_ns = time.perf_counter_ns()
@@ -108,5 +123,7 @@ def profiled(fn, *args, **kwargs):
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     if RECORDER.spans is not None:
-        RECORDER.spans.extend(spans_from_trace(events, mark_ns))
+        begin, end = _BEGIN
+        RECORDER.spans.extend(s for s in spans_from_trace(events, mark_ns)
+                              if (begin is None or s.t0 >= begin) and (end is None or s.t1 <= end))
     return result

@@ -71,9 +71,10 @@ def build_model(name: str, seed: int = 0) -> nn.Sequential:
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def batch(name: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s micro-batch at ``step``: different on every rank and step, the same every run."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
+def batch(name: str, step: int, rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch at ``step``: different on every rank and step (and ``seed``: a grading
+    draw), the same every run."""
+    g = torch.Generator().manual_seed(1000 * step + rank + 1_000_003 * seed)
     shapes = MODELS[name]
     return torch.randn(shapes["x"], generator=g), torch.randn(shapes["y"], generator=g)
 

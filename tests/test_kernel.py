@@ -94,7 +94,9 @@ def test_stop_button_interrupts_every_rank_and_the_next_run_works(kernel):
 def test_a_failed_check_shows_its_message_not_lablib_source(kernel):
     km, kc = kernel
     reply, *_ = _execute(kc, "from lablib.checks.lab01 import check_flat_shard\n"
-                             "check_flat_shard(lambda flat, n, rank: flat.chunk(n)[rank])")
+                             "def chunked(flat, n, rank):\n"
+                             "    return flat.chunk(n)[rank]\n"
+                             "check_flat_shard(chunked)")
     assert reply["status"] == "error" and reply["ename"] == "CheckFailed"
     shown = "\n".join(reply["traceback"])
     assert "Task 1.1" in shown and "pad first, then slice" in shown

@@ -159,11 +159,19 @@ def test_flat_shard_mistakes():
         s = -(-flat.numel() // n)
         return torch.cat([flat, flat.new_zeros(s * n - flat.numel())])[rank * s:(rank + 1) * s]
 
+    def chunked(flat, n, rank):
+        return flat.chunk(n)[rank]
+
+    def unpadded(flat, n, rank):
+        return flat[rank * (flat.numel() // n):(rank + 1) * (flat.numel() // n)]
+
     check_flat_shard(right)
     with pytest.raises(CheckFailed, match="pad first, then slice"):
-        check_flat_shard(lambda flat, n, rank: flat.chunk(n)[rank])
+        check_flat_shard(chunked)
     with pytest.raises(CheckFailed, match="Did you pad the flat buffer to a multiple of world_size"):
-        check_flat_shard(lambda flat, n, rank: flat[rank * (flat.numel() // n):(rank + 1) * (flat.numel() // n)])
+        check_flat_shard(unpadded)
+    with pytest.raises(CheckFailed, match="its source cannot be read"):
+        check_flat_shard(lambda flat, n, rank: flat.chunk(n)[rank])
 
 
 def test_shard_slices_mistakes():
@@ -198,6 +206,14 @@ def test_shard_slices_mistakes():
 
 def _gather(unit, ctx):
     lablib.all_gather(unit.flat, unit.shard)
+
+
+def _free(u):
+    u.flat.untyped_storage().resize_(0)
+
+
+def _rebind(unit):
+    unit.flat = torch.empty(0)
 
 
 def test_zero_stage_mistakes(cluster):
@@ -240,12 +256,12 @@ def test_zero_stage_mistakes(cluster):
     with pytest.raises(CheckFailed, match="holds \\d+ bytes of grads.*keeps only this rank's shard of the gradient"):
         check_zero2(zero2_keeps_full_grad, cluster)
     with pytest.raises(CheckFailed, match="storage reshard freed: resize it back"):
-        check_zero3(_gather, lambda u: u.flat.untyped_storage().resize_(0), cluster)
+        check_zero3(_gather, _free, cluster)
     if cluster.world_size > 1:
         with pytest.raises(CheckFailed, match="bytes of params.*reshard must free the full flat buffer"):
             check_zero3(unshard, keep_everything, cluster)
     with pytest.raises(CheckFailed, match="Likely: unit.flat is not the unit's full-size buffer any more"):
-        check_zero3(unshard, lambda unit: setattr(unit, "flat", torch.empty(0)), cluster)
+        check_zero3(unshard, _rebind, cluster)
     with pytest.raises(CheckFailed, match="zero2_step is lablib's own lablib.strategies.zero.zero2_step"):
         check_zero2(zero.zero2_step, cluster)
     with pytest.raises(CheckFailed, match="zero1_step is None"):

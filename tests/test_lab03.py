@@ -110,12 +110,13 @@ def test_prefetching_holds_depth_plus_one_units_and_follows_the_expected_log(clu
     units = len(results[0]["unit_bytes"])
     expect = prefetch_expect(units, depth)
     for r in results:
-        assert max(len(gathered) for _, _, gathered, _ in r["log"]) == depth + 1
-        assert r["peak"] == max(sum(r["unit_bytes"][j] for j in gathered) for _, _, gathered, _ in r["log"])
-        for moment, i, gathered, pending in r["log"]:
-            if moment in ("pre_forward", "post_forward"):  # the backward also has reduce-scatters in flight
-                want_gathered, want_pending = expect(moment, i)
-                assert (sorted(gathered), sorted((j, op) for j, op, _ in pending)) == (sorted(want_gathered), sorted(want_pending))
+        assert max(len(e["gathered"]) for e in r["log"]) == depth + 1
+        assert r["peak"] == max(sum(r["unit_bytes"][j] for j in e["gathered"]) for e in r["log"])
+        for e in r["log"]:
+            if e["moment"] in ("pre_forward", "post_forward"):  # the backward also has reduce-scatters in flight
+                want_gathered, want_pending = expect(e["moment"], e["unit"])
+                assert sorted(e["gathered"]) == sorted(want_gathered)
+                assert sorted((j, op) for j, op, _, _ in e["pending"]) == sorted(want_pending)
 
 
 def test_prefetching_puts_communication_under_compute_on_a_simulated_link(cluster):
@@ -191,6 +192,25 @@ def test_gloo_runs_an_async_reduce_scatter_before_it_is_waited_for(cluster):
         assert torch.equal(out, want) and torch.equal(full, torch.arange(8 * n, dtype=torch.float32) * (rank + 1))
 
 
+def _free_while_in_flight():
+    import torch.distributed as dist
+
+    out = torch.empty((1 << 18) * dist.get_world_size())
+    work = comm.all_gather(out, torch.ones(1 << 18), async_op=True)
+    out.untyped_storage().resize_(0)  # the mistake: freed before the gather landed
+    time.sleep(0.05)
+    try:
+        work.wait()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_freeing_a_buffer_while_its_gather_is_in_flight_is_an_error_not_a_crash(cluster):
+    for message in cluster.run(_free_while_in_flight):
+        assert "freed" in message and "Wait for a unit's gather before freeing it" in message
+
+
 # -- the checks ----------------------------------------------------------------------------------------------
 def test_right_answers_pass_every_check(cluster):
     check_hooks(pre, post, pre, post_backward, cluster)
@@ -240,7 +260,23 @@ def test_prefetch_mistakes_are_named(cluster):
         wait(units[i])
 
     assert "must still be in flight" in _fails(check_prefetch, wait_all, keep_last, backward_ahead, cluster=cluster)
-    assert "moves 4 bytes" in _fails(check_prefetch, decoy, keep_last, backward_ahead, cluster=cluster)
+    assert "into no unit's buffer" in _fails(check_prefetch, decoy, keep_last, backward_ahead, cluster=cluster)
+
+    def twice(units, i, ctx):  # no guard: a prefetched unit is gathered again when its turn comes
+        for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):
+            units[j].flat.untyped_storage().resize_(units[j].layout.padded_numel * units[j].flat.element_size())
+            wait(units[j])
+            units[j].work = lablib.all_gather(units[j].flat, units[j].shard, async_op=True)
+        wait(units[i])
+
+    def stale(units, i, ctx):
+        for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):
+            start(units[j])
+        units[i].work.wait() if units[i].work is not None else None
+
+    assert "gathered once per use" in _fails(check_prefetch, twice, keep_last, backward_ahead, cluster=cluster)
+    assert "set unit.work = None after waiting" in _fails(check_prefetch, stale, keep_last, backward_ahead,
+                                                          cluster=cluster)
     assert "exactly ctx.depth" in _fails(check_prefetch, too_far, keep_last, backward_ahead, cluster=cluster)
     assert "yours: none" in _fails(check_prefetch, forward_ahead, post, backward_ahead, cluster=cluster)
 
@@ -252,6 +288,34 @@ def test_overlap_mistakes_are_named(cluster):
 
     assert "unit" in _fails(check_overlap, post_backward, finish, cluster=cluster)  # synchronous: nothing in flight
     assert "divide" in _fails(check_overlap, rs_async, no_divide, cluster=cluster)
+
+
+def test_what_a_learner_might_try_instead_of_the_work_is_refused(cluster):
+    def through_a_default(units, i, ctx, lib=lablib):  # lablib's own answers, reached through a default
+        lib.strategies.prefetch.pre_forward(units, i, ctx)
+
+    def replay(units, i, ctx):  # a finished handle made to look in flight
+        unshard(units[i])
+        for j in range(i + 1, min(i + ctx.depth, len(units) - 1) + 1):
+            start(units[j])
+            units[j].work.wait()
+            units[j].work.waited = False
+
+    def stash(units, i, ctx):  # keep a copy instead of gathering again
+        units[i].copy = units[i].flat.clone()
+        reshard(units[i])
+
+    with pytest.raises(CheckFailed, match="as a value"):
+        check_hooks(through_a_default, post, pre, post_backward, cluster)
+    assert "can't set attribute" in _fails(check_prefetch, replay, keep_last, backward_ahead, cluster=cluster) \
+        or "has no setter" in _fails(check_prefetch, replay, keep_last, backward_ahead, cluster=cluster)
+    assert "copy" in _fails(check_hooks, pre, stash, pre, post_backward, cluster=cluster)
+
+
+def test_hidden_checks_train_other_weights_and_data(cluster):
+    assert not torch.equal(reference("mlp", 3, 2, seed=7)[0], reference("mlp", 3, 2)[0])
+    check_hooks(pre, post, pre, post_backward, cluster, seed=7)
+    check_overlap(rs_async, finish, cluster, seed=7)
 
 
 def test_untraced_collectives_are_refused():

@@ -80,7 +80,8 @@ def test_the_notebook_applies_the_same_rules_to_a_function_it_is_given():
     namespace = {}
     exec(compile("import lablib\ndef ring(output, input):\n    lablib.all_gather(output, input)\n", "<cell>", "exec"),
          namespace)
-    assert function_problems(namespace["ring"], check_ring_blocking.forbidden) == []  # no source to read here
+    assert "its source cannot be read" in function_problems(namespace["ring"], check_ring_blocking.forbidden)[0]
+    assert "its source cannot be read" in function_problems(lambda o, i: None)[0]
 
     def ring(output, input):
         lablib.all_gather(output, input)  # noqa: F821
@@ -128,3 +129,17 @@ def test_the_task_rules_follow_every_name_the_function_reaches():
 def test_a_rule_on_dist_holds_however_torch_distributed_is_spelled(source):
     rule = {"dist.all_gather_into_tensor": "use lablib.all_gather"}
     assert any("use lablib.all_gather" in p for p in problems(ast.parse(source), rule)), source
+
+
+@pytest.mark.parametrize("source, found", [
+    ("def f(u, lib=lablib):\n    lib.strategies.prefetch.pre_forward(u, 0, None)", "uses the module lablib as a value"),
+    ("def f(u):\n    for d in [dist]:\n        d.all_gather_into_tensor(u, u)", "uses the module dist as a value"),
+    ("def f(u):\n    (m := lablib).all_gather(u, u)", "uses the module lablib as a value"),
+    ("def f(u):\n    torch.serialization.pickle.loads(b'')", "reaches the module pickle"),
+    ("def f(u):\n    from typing import get_type_hints", "exercise code may import only"),
+    ("def f(u):\n    return type(u)", "uses type"),
+])
+def test_modules_stay_where_the_rules_can_see_them(source, found):
+    """A module passed as a value, or left through an attribute chain, would carry the answers past the
+    rules: both are refused."""
+    assert any(found in p for p in problems(ast.parse(source), {})), (source, problems(ast.parse(source), {}))

@@ -36,3 +36,22 @@ def test_fsdp2_under_the_profiler_draws_as_a_timeline(cluster):
     assert {s.rank for s in tl.spans} == set(range(n))
     assert all(s.meta.get("source") == "torch.profiler" for s in tl.spans)
     assert tl.figure() is not None
+
+
+def _three_all_reduces():
+    import torch
+    import torch.distributed as dist
+
+    from lablib.profiling import steps_begin, steps_end
+
+    dist.all_reduce(torch.ones(8))   # set-up: left out
+    steps_begin()
+    dist.all_reduce(torch.ones(8))   # the part worth drawing
+    steps_end()
+    dist.all_reduce(torch.ones(8))   # results: left out
+
+
+def test_a_profiled_job_draws_only_between_steps_begin_and_steps_end(cluster):
+    cluster.run(lablib.profiled, _three_all_reduces)
+    comm = [s for s in cluster.timeline().spans if s.kind == "comm" and s.rank == 0]
+    assert len(comm) == 1 and comm[0].meta.get("op") == "all_reduce"

@@ -152,17 +152,17 @@ _MEMORY_HINTS = {
 MODELS, STEPS = ("mlp", "transformer"), 3
 
 
-def train_job(strategy) -> dict:
+def train_job(strategy, seed=None) -> dict:
     """On each rank: both models trained with ``strategy``; parameters, bytes held and Ψ per model."""
-    return {model: train(strategy, model, STEPS, Optimizer(), False) for model in MODELS}
+    return {model: train(strategy, model, STEPS, Optimizer(), False, seed or 0) for model in MODELS}
 
 
-def judge_zero(task: str, stage: str, per_rank: list, n: int) -> str:
+def judge_zero(task: str, stage: str, per_rank: list, n: int, seed=None) -> str:
     if not isinstance(per_rank, list) or len(per_rank) != n:
         raise CheckFailed(f"{task}: expected one result per rank from {n} ranks.")
     worst = 0.0
     for model in MODELS:
-        ref = reference(model, STEPS, n)
+        ref = reference(model, STEPS, n, seed=seed or 0)
         for rank, result in enumerate(r[model] for r in per_rank):
             worst = max(worst, params_error(task, rank, f"{STEPS} steps of the {model}", result["params"], ref,
                                             _STAGE_HINTS[stage]))
@@ -180,10 +180,10 @@ def judge_zero(task: str, stage: str, per_rank: list, n: int) -> str:
 
 def _zero_check(task: str, stage: str, make, params: tuple) -> Check:
     def collect(fns, pool, seed):
-        return run_on_ranks(pool, task, train_job, make(*fns), hints=_RANK_HINTS)
+        return run_on_ranks(pool, task, train_job, make(*fns), seed, hints=_RANK_HINTS)
 
     def judge(data, world_size, seed):
-        return judge_zero(task, stage, data, world_size)
+        return judge_zero(task, stage, data, world_size, seed)
 
     return Check(task, params, collect, judge, world_sizes=(4,))
 

@@ -18,6 +18,8 @@ _RANK_HINTS = (
     ("storage of size 0", "a unit computed while its flat buffer was freed: its pre-hook must resize the storage "
                           "back (unit.layout.padded_numel * unit.flat.element_size() bytes) and fill it with "
                           "the all-gather before the unit runs (and wait for it, if it is asynchronous)."),
+    ("lost its output", "a unit was freed (reshard) while its prefetched gather was still in flight: wait for "
+                        "a unit's gather before freeing it, and never free a unit that is about to compute."),
     ("no gradient shard", "post_backward must leave this rank's shard of the averaged gradient in unit.grad."),
     ("timed out", "one rank skipped a collective the others called: every rank must issue the same "
                   "collectives, in the same order."),
@@ -25,14 +27,15 @@ _RANK_HINTS = (
 )
 
 
-def hooks_job(hooks: prefetch.Hooks, depths) -> dict:
-    """On each rank: every model trained with ``hooks`` at every depth."""
-    return {f"{model}/{d}": prefetch.train(hooks, model, STEPS, Optimizer(), depth=d) for model in MODELS for d in depths}
+def hooks_job(hooks: prefetch.Hooks, depths, seed=None) -> dict:
+    """On each rank: every model trained with ``hooks`` at every depth (``seed``: other weights and data)."""
+    return {f"{model}/{d}": prefetch.train(hooks, model, STEPS, Optimizer(), depth=d, seed=seed or 0)
+            for model in MODELS for d in depths}
 
 
-def _values(task: str, per_rank: list, n: int, key: str, hint: str) -> float:
+def _values(task: str, per_rank: list, n: int, key: str, hint: str, seed=None) -> float:
     model = key.split("/")[0]
-    ref = reference(model, STEPS, n)
+    ref = reference(model, STEPS, n, seed=seed or 0)
     worst = 0.0
     for rank, result in enumerate(r[key] for r in per_rank):
         worst = max(worst, params_error(task, rank, f"{STEPS} steps of the {model}", result["params"], ref, hint))
@@ -44,35 +47,66 @@ def _units(per_rank, key) -> int:
 
 
 def _walk(task: str, result: dict, expect, what: str, world_size: int) -> None:
-    """Compare each logged moment with ``expect(moment, i) -> (gathered, pending)`` (None: not checked),
-    and each collective in flight with the size of what it should move."""
-    log, sizes = result["log"], result["unit_bytes"]
-    for moment, i, gathered, pending in log:
+    """Compare each logged moment of the first step with ``expect(moment, i) -> (gathered, pending)``:
+    which units are whole, which collectives are in flight (each writing into its unit, moving its
+    size), and which collectives the hook issued (the units that became whole, and after a unit's
+    backward its reduce-scatter)."""
+    sizes, before = result["unit_bytes"], []
+    for entry in result["log"]:
+        moment, i, gathered, pending = entry["moment"], entry["unit"], entry["gathered"], entry["pending"]
         want_gathered, want_pending = expect(moment, i)
         where = f"after {moment}" + (f" of unit {i}" if i is not None else "") + f" ({what})"
-        if want_gathered is not None and sorted(gathered) != sorted(want_gathered):
+        if sorted(gathered) != sorted(want_gathered):
             raise CheckFailed(f"{task}: {where}, the units holding their full parameters should be "
                               f"{sorted(want_gathered) or 'none'}, yours: {sorted(gathered) or 'none'}. "
-                              + _gather_hint(moment, set(gathered), set(want_gathered)))
-        if want_pending is not None:
-            got = sorted((j, op) for j, op, _ in pending)
-            if got != sorted(want_pending):
-                raise CheckFailed(f"{task}: {where}, the collectives issued and not waited for yet should be "
-                                  f"{_pairs(want_pending)}, yours: {_pairs(got)}. " + _pending_hint(moment, got, want_pending))
-            for j, op, nbytes in pending:
-                want = sizes[j] // (world_size if op == "all_gather" else 1)
-                if nbytes != want:
-                    raise CheckFailed(f"{task}: {where}, unit {j}'s {op.replace('_', '-')} in flight moves {nbytes} "
-                                      f"bytes from this rank, expected {want}: "
-                                      + ("its shard (unit.shard)." if op == "all_gather" else
-                                         "the unit's whole flat gradient (unit.full_grad())."))
+                              + _gather_hint(moment, i, set(gathered), set(want_gathered)))
+        if entry["stale"]:
+            raise CheckFailed(f"{task}: {where}, unit {entry['stale'][0]} still holds a handle that was waited for "
+                              "already: set unit.work = None after waiting, so unit.work always means \"in flight\".")
+        got = sorted((j, op) for j, op, _, _ in pending)
+        if got != sorted(want_pending):
+            raise CheckFailed(f"{task}: {where}, the collectives issued and not waited for yet should be "
+                              f"{_pairs(want_pending)}, yours: {_pairs(got)}. " + _pending_hint(moment, got, want_pending))
+        for j, op, nbytes, into_unit in pending:
+            want = sizes[j] // (world_size if op == "all_gather" else 1)
+            if nbytes != want or not into_unit:
+                raise CheckFailed(f"{task}: {where}, the {op.replace('_', '-')} in unit {j}'s unit.work is not unit "
+                                  f"{j}'s: " + ("gather unit.shard into unit.flat." if op == "all_gather" else
+                                                "reduce-scatter unit.full_grad() into unit.grad."))
+        issued = sorted(tuple(x) for x in entry["issued"])
+        want_issued = sorted([("all_gather", j) for j in set(want_gathered) - set(before)]
+                             + ([("reduce_scatter", i)] if moment == "post_backward" else []))
+        if issued != want_issued:
+            raise CheckFailed(f"{task}: {where}, your hooks issued {_issued(issued)}, expected {_issued(want_issued)}. "
+                              + _issued_hint(issued, want_issued, before))
+        before = want_gathered
+
+
+def _issued(pairs) -> str:
+    return ", ".join(("an all-gather " if op == "all_gather" else "a reduce-scatter ")
+                     + (f"of unit {j}" if j >= 0 else "into no unit's buffer") for op, j in pairs) or "nothing"
+
+
+def _issued_hint(got, want, before) -> str:
+    again = sorted(j for op, j in got if op == "all_gather" and j in before)
+    if len(set(got)) < len(got) or again:
+        return ((f"Unit {again[0]} was gathered already (it is whole, or its gather is in flight). " if again else "")
+                + "A unit is gathered once per use: issue its gather only if its flat buffer has no storage yet.")
+    if any(j < 0 for _, j in got):
+        return "Every collective writes into its unit: an all-gather into unit.flat, a reduce-scatter into unit.grad."
+    if len(got) < len(want):
+        return ("Each unit that is needed must be gathered (its parameters come from the other ranks' shards), "
+                "and each gradient reduce-scattered, every step.")
+    return "Gather only the units named."
 
 
 def _pairs(pairs) -> str:
     return ", ".join(f"unit {j}'s {op.replace('_', '-')}" for j, op in sorted(pairs)) or "none"
 
 
-def _gather_hint(moment: str, got: set, want: set) -> str:
+def _gather_hint(moment: str, i, got: set, want: set) -> str:
+    if moment == "post_forward" and i in want and i not in got:
+        return "Keep the last unit whole after its forward: its backward comes right after."
     if got - want and moment.startswith("post"):
         return "A unit's full parameters must be freed right after its forward and its backward (reshard)."
     if want - got and moment.startswith("pre"):
@@ -83,6 +117,8 @@ def _gather_hint(moment: str, got: set, want: set) -> str:
 def _pending_hint(moment: str, got, want) -> str:
     if any(op not in ("all_gather", "reduce_scatter") for _, op in got):
         return "Keep in unit.work the handle that lablib.all_gather(..., async_op=True) returns, and nothing else."
+    if moment == "finish":
+        return "finish must wait for every reduce-scatter still in flight (unit.work.wait(); unit.work = None)."
     if len(got) < len(want):
         return ("A prefetched collective must still be in flight here: issue it with async_op=True, keep its "
                 "handle in unit.work, and wait for it only when its unit is about to compute (or in finish, for "
@@ -101,7 +137,7 @@ def _plain_expect(units: int):
 
 def collect_hooks(fns, pool, seed):
     pre_f, post_f, pre_b, post_b = fns
-    return run_on_ranks(pool, "Task 3.1", hooks_job, prefetch.Hooks(pre_f, post_f, pre_b, post_b), (0,),
+    return run_on_ranks(pool, "Task 3.1", hooks_job, prefetch.Hooks(pre_f, post_f, pre_b, post_b), (0,), seed,
                         hints=_RANK_HINTS)
 
 
@@ -116,7 +152,7 @@ def judge_hooks(data, world_size, seed) -> str:
             _walk(task, r[key], _plain_expect(_units(data, key)), f"the {model}, rank {rank}", world_size)
         worst = max(worst, _values(task, data, world_size, key, "post_backward must reduce-scatter the unit's "
                                    "full gradient (unit.full_grad()) into this rank's shard, divide it by the "
-                                   "world size and keep it in unit.grad."))
+                                   "world size and keep it in unit.grad.", seed))
         for rank, r in enumerate(data):
             held = r[key]["held"]["params"]
             shards = sum(b // world_size for b in r[key]["unit_bytes"])
@@ -161,7 +197,7 @@ def prefetch_expect(units: int, d: int, last_kept: bool = True):
 def collect_prefetch(fns, pool, seed):
     fwd, post_f, bwd = fns
     hooks = prefetch.Hooks(fwd, post_f, bwd, prefetch.post_backward)
-    return run_on_ranks(pool, "Task 3.2", hooks_job, hooks, DEPTHS, hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 3.2", hooks_job, hooks, DEPTHS, seed, hints=_RANK_HINTS)
 
 
 def judge_prefetch(data, world_size, seed) -> str:
@@ -174,7 +210,7 @@ def judge_prefetch(data, world_size, seed) -> str:
             for rank, r in enumerate(data):
                 _walk(task, r[key], prefetch_expect(_units(data, key), d), f"the {model}, depth {d}, rank {rank}",
                       world_size)
-            _values(task, data, world_size, key, "Wait for a unit's gather before it computes.")
+            _values(task, data, world_size, key, "Wait for a unit's gather before it computes.", seed)
     return (f" on {world_size} ranks at depths {', '.join(map(str, DEPTHS))}: each unit's gather is issued "
             "ctx.depth units early and waited for just before it computes; the values match the reference")
 
@@ -203,7 +239,7 @@ def collect_overlap(fns, pool, seed):
     post_b, finish = fns
     hooks = prefetch.Hooks(prefetch.prefetch_forward, prefetch.keep_last_post_forward, prefetch.prefetch_backward,
                            post_b, finish)
-    return run_on_ranks(pool, "Task 3.3", hooks_job, hooks, (1,), hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 3.3", hooks_job, hooks, (1,), seed, hints=_RANK_HINTS)
 
 
 def judge_overlap(data, world_size, seed) -> str:
@@ -215,7 +251,7 @@ def judge_overlap(data, world_size, seed) -> str:
         for rank, r in enumerate(data):
             _walk(task, r[key], overlap_expect(_units(data, key)), f"the {model}, rank {rank}", world_size)
         _values(task, data, world_size, key, "finish must wait for every reduce-scatter still in flight and divide "
-                "each unit's gradient shard by the world size.")
+                "each unit's gradient shard by the world size.", seed)
     return (f" on {world_size} ranks: every reduce-scatter stays in flight under the backward of the units "
             "before it, finish collects them, and the values match the reference")
 

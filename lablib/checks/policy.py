@@ -10,6 +10,7 @@ call library collectives, Task 2.1 may not use ``isend``.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import textwrap
 
@@ -18,12 +19,14 @@ SAFE_BUILTINS = {
     "abs", "all", "any", "bool", "callable", "dict", "divmod", "enumerate", "filter", "float", "format", "frozenset",
     "hasattr", "int", "isinstance", "issubclass", "iter", "len", "list", "map", "max", "min", "next", "object",
     "pow", "print", "range", "repr", "reversed", "round", "set", "slice", "sorted", "str", "sum", "super", "tuple",
-    "type", "zip", "True", "False", "None", "NotImplemented", "Ellipsis",
+    "zip", "True", "False", "None", "NotImplemented", "Ellipsis",
     "ArithmeticError", "AssertionError", "Exception", "IndexError", "KeyError", "NotImplementedError",
     "RuntimeError", "StopIteration", "TypeError", "ValueError", "ZeroDivisionError",
 }
 MODULES = {"torch", "torch.distributed", "torch.nn", "torch.nn.functional", "math", "lablib", "functools",
-           "itertools", "typing", "collections"}
+           "itertools", "collections"}
+# Modules an attribute chain may pass through (torch.serialization.pickle leaves them: refused).
+OWN_MODULES = ("torch", "math", "lablib", "functools", "itertools", "collections")
 LABLIB_PUBLIC = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
                  "isend", "irecv", "span", "device", "cluster", "Cluster", "RankError", "Timeline", "Span"}
 TORCH_DENIED = {"save", "load", "hub", "utils", "ops", "classes", "jit", "library", "package", "multiprocessing",
@@ -86,6 +89,35 @@ def _module_of(node, modules: dict[str, str]) -> str | None:
     return None
 
 
+def _chain(node, modules: dict[str, str]) -> list[str] | None:
+    """``["torch", "distributed", "all_gather"]`` for an attribute chain rooted at a name that holds a
+    library module, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in modules:
+        return [modules[node.id]] + parts[::-1]
+    return None
+
+
+def _walk_chain(path: list[str]):
+    """The objects each prefix of ``path`` names, starting from the real module (nothing is called)."""
+    try:
+        obj = importlib.import_module("torch.distributed" if path[0] == "dist" else path[0])
+    except ImportError:
+        return
+    yield obj
+    for attr in path[1:]:
+        if attr.startswith("_"):
+            return
+        try:
+            obj = getattr(obj, attr)
+        except Exception:
+            return
+        yield obj
+
+
 def _aliases(tree) -> dict[str, str]:
     """{name: the library module it holds}: torch, dist, math, lablib, and every name bound to one of
     them or to an attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
@@ -129,7 +161,25 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
         if f"{line}{text}" not in out:
             out.append(f"{line}{text}")
 
+    # Where a module may stand: as the base of an attribute (lablib.all_gather) or bound by a plain
+    # assignment (nn = torch.nn). Passed, stored, defaulted or looped over, it hides from these rules.
+    bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    bases |= {id(n.value) for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+              and all(isinstance(t, ast.Name) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))}
     for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
+            path = _chain(node, modules)
+            if path:
+                objects = list(_walk_chain(path))
+                foreign = next((o for o in objects if inspect.ismodule(o)
+                                and not o.__name__.split(".")[0] in OWN_MODULES), None)
+                if foreign is not None:
+                    add(node, f"reaches the module {foreign.__name__} through {'.'.join(path)}; exercises use "
+                              "torch's, math's and lablib's own functions")
+                elif id(node) not in bases and (isinstance(node, ast.Name) or
+                                                 (len(objects) == len(path) and inspect.ismodule(objects[-1]))):
+                    add(node, f"uses the module {'.'.join(path)} as a value; call its functions where you need "
+                              f"them ({'.'.join(path)}.name(...))")
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name not in MODULES:
@@ -175,18 +225,16 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
 
 
 def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
-    """The rules applied to a function defined in a notebook (its source, as IPython keeps it); [] when
-    the source cannot be found."""
-    if getattr(fn, "__name__", "") == "<lambda>":  # its source is the line around it: nothing to read
-        return []
+    """The rules applied to a function defined in a notebook (its source, as IPython keeps it); a
+    function whose source cannot be read is refused."""
+    unreadable = ["its source cannot be read (a lambda, a partial, or code made by exec): define it with `def` "
+                  "in an exercise cell"]
+    if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
+        return unreadable
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return []
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return unreadable
     defined = {name for name, value in getattr(fn, "__globals__", {}).items() if _learners(value)}
     defined |= set(fn.__code__.co_freevars)  # helpers of a function defined inside another
     return problems(tree, forbidden, defined)

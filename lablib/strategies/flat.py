@@ -82,7 +82,7 @@ class FlatLayout:
         return flat
 
 
-@dataclass
+@dataclass(slots=True)  # no attributes besides these: what a rank holds is what the checks count
 class Unit:
     module: nn.Module
     layout: FlatLayout

@@ -48,7 +48,7 @@ class Optimizer:
         master.addcdiv_(state["exp_avg"], denom, value=-self.lr / (1 - b1 ** state["step"]))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Context:
     """What a strategy's step needs besides the unit: who we are, and the optimizer."""
     rank: int
@@ -69,23 +69,24 @@ class Context:
 
 
 def train(strategy, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
-          mixed: bool = False) -> dict:
+          mixed: bool = False, seed: int = 0) -> dict:
     """Train on this rank (inside ``cluster.run``) with ``strategy``; every rank sees its own batches.
 
-    Returns the full fp32 parameters per unit (gathered, unpadded), the bytes held by kind after the
-    last step, the losses and Ψ (the padded parameter count)."""
+    ``seed`` draws other initial weights and batches (hidden checks). Returns the full fp32 parameters
+    per unit (gathered, unpadded), the bytes held by kind after the last step, the losses and Ψ (the
+    padded parameter count)."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
     ctx = Context(rank, n, optimizer)
-    units = setup(build_model(model_name), rank, n, optimizer.init_state, strategy.sharded, strategy.frees_params,
+    units = setup(build_model(model_name, seed), rank, n, optimizer.init_state, strategy.sharded, strategy.frees_params,
                   torch.bfloat16 if mixed else torch.float32)
     # Start the steps together (untraced): otherwise the first collective absorbs the ranks' uneven
     # set-up time and looks like slow communication on the timeline.
     dist.barrier()
     losses = []
     for step in range(steps):
-        x, y = batch(model_name, step, rank)
+        x, y = batch(model_name, step, rank, seed)
         if mixed:
             x = x.to(torch.bfloat16)
         losses.append(strategy.train_step(units, x, y, ctx).item())
@@ -108,13 +109,13 @@ def gather_full(units: list[Unit], sharded: bool) -> list[torch.Tensor]:
 
 
 def reference(model_name: str = "mlp", steps: int = 3, world_size: int = 2,
-              optimizer: Optimizer = Optimizer()) -> list[torch.Tensor]:
+              optimizer: Optimizer = Optimizer(), seed: int = 0) -> list[torch.Tensor]:
     """One process, the whole batch (every rank's micro-batch), the same optimizer: what every strategy
     must reproduce. Returns the full fp32 parameters per unit, flattened."""
-    units = setup(build_model(model_name), 0, 1, optimizer.init_state, sharded=False)
+    units = setup(build_model(model_name, seed), 0, 1, optimizer.init_state, sharded=False)
     model = nn.Sequential(*[u.module for u in units])
     for step in range(steps):
-        xs, ys = zip(*(batch(model_name, step, r) for r in range(world_size)))
+        xs, ys = zip(*(batch(model_name, step, r, seed) for r in range(world_size)))
         loss_fn(model(torch.cat(xs)), torch.cat(ys)).backward()
         for u in units:
             optimizer.update(u.master, flat_grad(u), u.state)

@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import comm
 from ..memory import held_bytes
+from ..profiling import steps_begin, steps_end
 from ..timeline import RECORDER, RawSpan, _now, span
 from ..toy import batch, build_model, loss_fn
 from .flat import Unit, setup
@@ -134,16 +135,43 @@ class Record:
     gathered parameters (every step), and the forward and backward compute spans."""
 
     def __init__(self, units):
-        self.units, self.log, self.logging, self.peak, self.open_span = units, [], False, 0, None
+        self.units, self.log, self.peak, self.open_span = units, [], 0, None
+
+    @property
+    def logging(self) -> bool:
+        return comm.WATCH[0] is not None
+
+    @logging.setter
+    def logging(self, on: bool):
+        comm.WATCH[0] = [] if on else None
+
+    def _unit_of(self, op, target, i=None) -> int:
+        """The unit a collective writes into: an all-gather into its flat buffer, a reduce-scatter into
+        its gradient shard (or, in the unit's own post_backward, into a shard-sized tensor); else -1."""
+        for j, u in enumerate(self.units):
+            if target is not None and target is (u.flat if op == "all_gather" else u.grad):
+                return j
+        if op == "reduce_scatter" and i is not None and isinstance(target, torch.Tensor) \
+                and target.numel() == self.units[i].layout.shard_numel:
+            return i
+        return -1
 
     def after(self, moment: str, i):
         gathered = [j for j, u in enumerate(self.units) if u.flat.untyped_storage().nbytes()]
         self.peak = max(self.peak, sum(self.units[j].flat.untyped_storage().nbytes() for j in gathered))
         if self.logging:
-            pending = [[j, u.work.op, u.work.nbytes] if isinstance(u.work, comm.Work) else [j, type(u.work).__name__, 0]
-                       for j, u in enumerate(self.units)
-                       if u.work is not None and not getattr(u.work, "waited", False)]
-            self.log.append([moment, i, gathered, pending])
+            pending, stale = [], []
+            for j, u in enumerate(self.units):
+                if isinstance(u.work, comm.Work) and u.work.waited:
+                    stale.append(j)
+                elif isinstance(u.work, comm.Work):
+                    pending.append([j, u.work.op, u.work.nbytes, self._unit_of(u.work.op, u.work.target) == j])
+                elif u.work is not None:
+                    pending.append([j, type(u.work).__name__, 0, False])
+            issued = [[op, self._unit_of(op, target, i)] for op, target in comm.WATCH[0]]
+            comm.WATCH[0].clear()
+            self.log.append({"moment": moment, "unit": i, "gathered": gathered, "pending": pending, "stale": stale,
+                             "issued": issued})
 
     def open(self, name: str, unit: int):
         self.open_span = (name, unit, _now())
@@ -192,11 +220,12 @@ def attach(units, ctx, hooks: Hooks, record: Record) -> list:
 
 
 def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
-          depth: int = 0, link: comm.Link | None = None, warmup: int = 0) -> dict:
+          depth: int = 0, link: comm.Link | None = None, warmup: int = 0, seed: int = 0) -> dict:
     """Train on this rank (inside ``cluster.run``) with FSDP units driven by ``hooks``.
 
     ``depth``: how far ahead prefetching hooks gather (``ctx.depth``); ``link``: a simulated link
-    (``comm.LINKS``) for every collective; ``warmup``: steps run before the timeline starts recording.
+    (``comm.LINKS``) for every collective; ``warmup``: steps run before the timeline starts recording;
+    ``seed``: other initial weights and batches (hidden checks).
     Returns the full parameters (gathered), the losses, the first step's log of what each unit held
     after each moment, the peak bytes of gathered parameters, the bytes held between steps, and the
     seconds of each recorded step."""
@@ -204,7 +233,7 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
 
     rank, n = dist.get_rank(), dist.get_world_size()
     ctx = Context(rank, n, optimizer, depth)
-    units = setup(build_model(model_name), rank, n, optimizer.init_state, sharded=True, frees_params=True)
+    units = setup(build_model(model_name, seed), rank, n, optimizer.init_state, sharded=True, frees_params=True)
     model = nn.Sequential(*(u.module for u in units))
     record = Record(units)
     handles = attach(units, ctx, hooks, record)
@@ -217,9 +246,9 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
                     comm.restart_clock()
                     if RECORDER.spans is not None:
                         RECORDER.spans.clear()
-                record.logging = step == 0
+                record.logging = step == 0  # the first step's moments are logged
                 t = _now()
-                x, y = batch(model_name, step, rank)
+                x, y = batch(model_name, step, rank, seed)
                 out = model(x)
                 with span("loss"):
                     loss = loss_fn(out, y)
@@ -238,6 +267,7 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
                 if step >= warmup:
                     seconds.append((_now() - t) / 1e9)
     finally:
+        record.logging = False
         for h in handles:
             h.remove()
     return {"params": gather_full(units, True), "losses": losses, "log": record.log, "peak": record.peak,
@@ -274,6 +304,7 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
     for step in range(warmup + steps):
         if step == warmup:
             dist.barrier()
+            steps_begin()  # under lablib.profiled: draw from here
             if RECORDER.spans is not None:
                 RECORDER.spans.clear()
         t = _now()
@@ -283,12 +314,13 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
         opt.zero_grad()
         if step >= warmup:
             seconds.append((_now() - t) / 1e9)
+    steps_end()
     return {"params": [(name, p.full_tensor().detach().clone()) for name, p in model.named_parameters()],
             "seconds": seconds}
 
 
 def measure(cluster, hooks: Hooks, depth: int = 0, link: comm.Link | None = None, model_name: str = "wide8",
-            steps: int = 2) -> dict:
+            steps: int = 1) -> dict:
     """Train ``steps`` recorded steps (after one warm-up step) on ``cluster``: the step time (median over
     steps of the slowest rank), the peak bytes of full parameters a rank held, the timeline and the
     fraction of its communication that ran under compute."""

@@ -4,17 +4,19 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 
-def depth_figure(rows, title="Prefetch depth: peak gathered parameters vs step time (both measured)"):
+def depth_figure(rows, link=None):
     """One point per depth: ``rows`` are dicts with depth, peak (bytes of full parameters a rank held at
     once, counted from their storage), step (seconds) and hidden (fraction of communication under
-    compute)."""
+    compute). ``link``: the simulated link the steps ran over (None: the real one), named on the axis."""
+    timing = f"compute measured, {link.name} simulated" if link is not None else "measured"
     fig = go.Figure(go.Scatter(
         x=[r["peak"] / 1e6 for r in rows], y=[r["step"] * 1e3 for r in rows], mode="lines+markers+text",
         text=[f"depth {r['depth']}" for r in rows], textposition="top center", marker=dict(size=12, color="#0072B2"),
         customdata=[[r["hidden"]] for r in rows],
         hovertemplate="peak %{x:.2f} MB, step %{y:.1f} ms, %{customdata[0]:.0%} of comm hidden<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="peak full parameters held per rank (MB, measured)",
-                      yaxis_title="step time (ms, measured)", height=380, margin=dict(t=50, b=40),
+    fig.update_layout(title=f"Prefetch depth: memory held against step time ({timing})",
+                      xaxis_title="peak full parameters held per rank (MB, measured)",
+                      yaxis_title="step time (ms)", height=380, margin=dict(t=50, b=40),
                       plot_bgcolor="white")
     fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")
     fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")

@@ -54,13 +54,22 @@ def lane_y(rank: int, lane: str) -> int:
     return 3 * rank + LANES.index(lane)
 
 
-# Sends and recvs often run at once (isend + irecv): they share the comm lane in two halves.
+# Sends and recvs often run at once (isend + irecv), and so do asynchronous all-gathers and
+# reduce-scatters (FSDP's prefetch under the backward): each pair shares the comm lane in two halves.
 HALF = {"send": -0.2, "recv": 0.2}
+ASYNC_HALF = {"all_gather": -0.2, "reduce_scatter": 0.2}
+
+
+def half(span) -> float | None:
+    """Where in the comm lane a half-height bar sits, or None for a full one."""
+    if span.kind != "comm":
+        return None
+    return HALF.get(op_of(span), ASYNC_HALF.get(op_of(span)) if span.is_async else None)
 
 
 def span_y(span) -> float:
     lane = lane_y(span.rank, "comm" if span.kind == "comm" else "compute")
-    return lane + HALF.get(op_of(span), 0.0) if span.kind == "comm" else lane
+    return lane + (half(span) or 0.0)
 
 
 def label(span) -> str:
@@ -91,12 +100,12 @@ def _bars(timeline, show_legend=True, label_min=0.03):
         op = op_of(s) if op_of(s) in OPS else s.kind
         t = min(max(ready.get(id(s), s.start), s.start), s.end)
         if t > s.start:  # the part before the last peer arrived is waiting, drawn apart from the transfer
-            by_op.setdefault("waiting" + ("/half" if op_of(s) in HALF else ""), []).append((s, s.start, t))
-        by_op.setdefault(op, []).append((s, t, s.end))
+            by_op.setdefault("waiting" + ("/half" if half(s) is not None else ""), []).append((s, s.start, t))
+        by_op.setdefault(op + ("/half" if half(s) is not None else ""), []).append((s, t, s.end))
         moving_from[id(s)] = t
     traces = []
     for key, group in by_op.items():
-        op, half = key.split("/")[0], key.endswith("/half") or key in HALF
+        op, thin = key.split("/")[0], key.endswith("/half")
         colour, _, name = OPS[op]
         xs, ys, texts = [], [], []
         for s, start, end in group:
@@ -104,15 +113,16 @@ def _bars(timeline, show_legend=True, label_min=0.03):
             what = f"waiting for a peer in {s.name}" if op == "waiting" else s.name
             hover = (f"<b>{what}</b><br>rank {s.rank}, {OPS.get(op_of(s), OPS['comm'])[2]}<br>"
                      f"start {start * 1e3:.3f} ms<br>duration {(end - start) * 1e3:.3f} ms"
-                     + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes and op != "waiting" else ""))
+                     + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes and op != "waiting" else "")
+                     + (f"<br>simulated link: {s.meta['simulated']}" if s.meta.get("simulated") else ""))
             xs += [start * 1e3, (start + end) / 2 * 1e3, end * 1e3, None]
             ys += [y, y, y, None]
             texts += [hover, hover, hover, None]
-        first = key == op or op not in by_op  # one legend entry per op
+        first = key == min(k for k in by_op if k.split("/")[0] == op)  # one legend entry per op
         traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=name, legendgroup=op, showlegend=show_legend and first,
-                                   line=dict(color=colour, width=7 if half else 14), text=texts,
+                                   line=dict(color=colour, width=7 if thin else 14), text=texts,
                                    hovertemplate="%{text}<extra></extra>", connectgaps=False))
-    wide = [s for s in spans if s.duration >= label_min * total and s.depth == 0 and op_of(s) not in HALF and label(s)]
+    wide = [s for s in spans if s.duration >= label_min * total and s.depth == 0 and half(s) is None and label(s)]
     if wide:
         traces.append(go.Scattergl(
             x=[(moving_from[id(s)] + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
