@@ -22,9 +22,13 @@ def test_mean_across_ranks(cluster, capsys):
     def stub(x):
         raise NotImplementedError("Task 0.1: average x")
 
+    def nothing(x):
+        return None
+
     check_mean_across_ranks(right, cluster)
     assert "✓ Task 0.1 passed" in capsys.readouterr().out
     for fn, message in [(summed, "holds the sum over ranks"), (local, "returned only its own data"),
-                        (stub, "Task 0.1 is not done yet"), (lambda x: None, "returned None")]:
+                        (stub, "Task 0.1 is not done yet"), (nothing, "returned None"),
+                        (lambda x: x, "its source cannot be read")]:
         with pytest.raises(CheckFailed, match=message):
             check_mean_across_ranks(fn, cluster)
