@@ -5,7 +5,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency reads TOML the same way
+    import tomli as tomllib
 
 from lablib import doctor
 
