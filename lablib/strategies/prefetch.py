@@ -219,6 +219,18 @@ def attach(units, ctx, hooks: Hooks, record: Record) -> list:
     return handles
 
 
+def start_recording() -> None:
+    """After the warm-up: every rank starts the recorded steps together (a barrier, untraced), with the
+    span clock restarted, the timeline emptied and, under ``lablib.profiled``, the profile begun."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    comm.restart_clock()
+    steps_begin()
+    if RECORDER.spans is not None:
+        RECORDER.spans.clear()
+
+
 def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
           depth: int = 0, link: comm.Link | None = None, warmup: int = 0, seed: int = 0) -> dict:
     """Train on this rank (inside ``cluster.run``) with FSDP units driven by ``hooks``.
@@ -242,10 +254,7 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
         with comm.simulated(link):
             for step in range(warmup + steps):
                 if step == warmup:
-                    dist.barrier()  # start the recorded steps together (untraced)
-                    comm.restart_clock()
-                    if RECORDER.spans is not None:
-                        RECORDER.spans.clear()
+                    start_recording()
                 record.logging = step == 0  # the first step's moments are logged
                 t = _now()
                 x, y = batch(model_name, step, rank, seed)
@@ -303,10 +312,7 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
     seconds = []
     for step in range(warmup + steps):
         if step == warmup:
-            dist.barrier()
-            steps_begin()  # under lablib.profiled: draw from here
-            if RECORDER.spans is not None:
-                RECORDER.spans.clear()
+            start_recording()
         t = _now()
         x, y = batch(model_name, step, dist.get_rank())
         loss_fn(model(x), y).backward()
