@@ -21,4 +21,5 @@ LABS = (
     Lab("01_sharding", "lab01", ("flat", "harness", "zero", "fsdp")),
     Lab("02_collectives", "lab02", ("ring",)),
     Lab("03_prefetch_overlap", "lab03", ("prefetch",)),
+    Lab("04_tensor_parallel", "lab04", ("tensor_parallel", "tp_reference")),
 )

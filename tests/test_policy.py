@@ -138,6 +138,8 @@ def test_a_rule_on_dist_holds_however_torch_distributed_is_spelled(source):
     ("def f(u):\n    torch.serialization.pickle.loads(b'')", "reaches the module pickle"),
     ("def f(u):\n    from typing import get_type_hints", "exercise code may import only"),
     ("def f(u):\n    return type(u)", "uses type"),
+    ("def f(u):\n    F.torch.save(u, 'x')", "reaches torch.save through torch.nn.functional.torch.save"),
+    ("def f(u):\n    g = F\n    g.torch.load('x')", "reaches torch.load through"),
 ])
 def test_modules_stay_where_the_rules_can_see_them(source, found):
     """A module passed as a value, or left through an attribute chain, would carry the answers past the

@@ -94,16 +94,24 @@ def params_error(task: str, rank: int, what: str, params: list, ref: list, hint:
 
 @contextmanager
 def pools(cluster: Cluster | None, sizes=(2, 3, 4)):
-    """A pool per size: the notebook's own where its size matches, else a new one like it (closed after
-    the check, so a notebook does not keep idle ranks: each holds a few hundred MB). A size of None
-    (a check that runs in this process) gets None."""
+    """Yields a pool per size, started when reached: the notebook's own where its size matches, else a
+    new one like it (closed after the check, so a notebook does not keep idle ranks: each holds a few
+    hundred MB; and a check that fails at its first size starts no other). A size of None (a check that
+    runs in this process) gets None."""
     like = dict(backend=cluster.backend, timeout=cluster.timeout) if cluster is not None else {}
-    extra = {n: Cluster(n, quiet=True, **like) for n in sizes
-             if n is not None and (cluster is None or n != cluster.world_size)}
+    extra: list[Cluster] = []
+
+    def each():
+        for n in sizes:
+            if n is None or (cluster is not None and n == cluster.world_size):
+                yield None if n is None else cluster
+            else:
+                extra.append(Cluster(n, quiet=True, **like))
+                yield extra[-1]
     try:
-        yield [None if n is None else extra.get(n, cluster) for n in sizes]
+        yield each()
     finally:
-        for pool in extra.values():
+        for pool in extra:
             pool.close()
 
 
@@ -111,7 +119,7 @@ def vet(task: str, params: tuple, fns: tuple, forbidden: Mapping[str, str]) -> N
     """Refuse what is not the learner's own code: None, something that is not a function, lablib's own
     functions (``ring_all_reduce = collectives.ring_all_reduce``), and code the rules forbid."""
     __tracebackhide__ = True
-    from .policy import function_problems
+    from .policy import reachable_problems
 
     for name, fn in zip(params, fns):
         if fn is None:
@@ -122,7 +130,7 @@ def vet(task: str, params: tuple, fns: tuple, forbidden: Mapping[str, str]) -> N
         if module == "lablib" or module.startswith("lablib."):
             raise CheckFailed(f"{task}: {name} is lablib's own {module}.{getattr(fn, '__qualname__', '')}. "
                               "The task is to write it yourself.")
-        problems = function_problems(fn, forbidden)
+        problems = reachable_problems(fn, forbidden)
         if problems:
             raise CheckFailed(f"{task}: {name} " + "; ".join(problems) + ".")
 
@@ -150,6 +158,8 @@ class Check:
             return (int(world_size),)
         if cluster is not None and not self.every_size:
             return (cluster.world_size,)
+        if cluster is not None and cluster.world_size in self.world_sizes:  # its own size first: no new pool
+            return (cluster.world_size,) + tuple(n for n in self.world_sizes if n != cluster.world_size)
         return self.world_sizes
 
     def __call__(self, *args, world_size=None, seed=None) -> None:

@@ -1,6 +1,6 @@
 """What exercise code may use, checked by reading it (``ast``), in the notebook and when grading.
 
-An exercise is the learner's own code: it uses torch (``torch``, ``dist``), ``math``, lablib's public
+An exercise is the learner's own code: it uses torch (``torch``, ``dist``, ``F``), ``math``, lablib's public
 helpers (``lablib.all_reduce``, ``lablib.send``, ...) and the learner's own functions. It may not
 import other modules, reach into private attributes or lablib's internals (where the answers live),
 change library objects (``torch.allclose = ...``), or call the builtins that do any of that by name
@@ -14,11 +14,13 @@ import importlib
 import inspect
 import textwrap
 
-GLOBALS = {"torch", "dist", "math", "lablib"}  # what every exercise namespace holds
+GLOBALS = {"torch", "dist", "F", "math", "lablib"}  # what every exercise namespace holds
+_HELD = {"F": "torch.nn.functional"}  # the module a global name holds, where it is not its own name
 SAFE_BUILTINS = {
     "abs", "all", "any", "bool", "callable", "dict", "divmod", "enumerate", "filter", "float", "format", "frozenset",
     "hasattr", "int", "isinstance", "issubclass", "iter", "len", "list", "map", "max", "min", "next", "object",
-    "pow", "print", "range", "repr", "reversed", "round", "set", "slice", "sorted", "str", "sum", "super", "tuple",
+    "pow", "print", "range", "repr", "reversed", "round", "set", "slice", "sorted", "staticmethod", "str", "sum", "super",
+    "tuple",
     "zip", "True", "False", "None", "NotImplemented", "Ellipsis",
     "ArithmeticError", "AssertionError", "Exception", "IndexError", "KeyError", "NotImplementedError",
     "RuntimeError", "StopIteration", "TypeError", "ValueError", "ZeroDivisionError",
@@ -118,10 +120,16 @@ def _walk_chain(path: list[str]):
         yield obj
 
 
+def _torch_attr(name: str):
+    import torch
+
+    return getattr(torch, name, _torch_attr)  # a stand-in no chain can reach, where torch has no such name
+
+
 def _aliases(tree) -> dict[str, str]:
     """{name: the library module it holds}: torch, dist, math, lablib, and every name bound to one of
     them or to an attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
-    out = {name: name for name in GLOBALS}
+    out = {name: _HELD.get(name, name) for name in GLOBALS}
     changed = True
     while changed:
         changed = False
@@ -173,7 +181,10 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                 objects = list(_walk_chain(path))
                 foreign = next((o for o in objects if inspect.ismodule(o)
                                 and not o.__name__.split(".")[0] in OWN_MODULES), None)
-                if foreign is not None:
+                denied = next((name for name in TORCH_DENIED if any(o is _torch_attr(name) for o in objects[1:])), None)
+                if denied is not None and path[1:] != [denied]:  # torch.save itself: the rule below says it
+                    add(node, f"reaches torch.{denied} through {'.'.join(path)}, which an exercise does not need")
+                elif foreign is not None:
                     add(node, f"reaches the module {foreign.__name__} through {'.'.join(path)}; exercises use "
                               "torch's, math's and lablib's own functions")
                 elif id(node) not in bases and (isinstance(node, ast.Name) or
@@ -238,6 +249,28 @@ def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
     defined = {name for name, value in getattr(fn, "__globals__", {}).items() if _learners(value)}
     defined |= set(fn.__code__.co_freevars)  # helpers of a function defined inside another
     return problems(tree, forbidden, defined)
+
+
+def reachable_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
+    """``function_problems`` of ``fn`` and of every function and class of its own module it reaches by
+    name, directly or through others (a helper, lab 04's autograd Functions), each line prefixed with
+    where it is: what grading's ``exercises._reachable`` reads, in the notebook."""
+    out, seen, todo = [], set(), [fn]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if inspect.isclass(obj):
+            todo += [getattr(m, "__func__", m) for m in vars(obj).values() if inspect.isfunction(getattr(m, "__func__", m))]
+            continue
+        found = function_problems(obj, forbidden)
+        out += found if obj is fn else [f"({obj.__qualname__}) {p}" for p in found]
+        if not found and inspect.isfunction(obj):
+            names, space = obj.__code__.co_names, obj.__globals__
+            todo += [space[n] for n in names if n in space and (inspect.isfunction(space[n]) or inspect.isclass(space[n]))
+                     and getattr(space[n], "__module__", None) == fn.__module__]
+    return out
 
 
 def _learners(value) -> bool:

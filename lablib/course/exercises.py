@@ -62,9 +62,10 @@ def _keep(node) -> bool:
         return True
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
         return True  # a docstring or a bare constant
-    if isinstance(node, ast.FunctionDef):  # a decorator is a call, whatever it looks like
-        a = node.args
-        return not node.decorator_list and not _calls(*a.defaults, *a.kw_defaults, node.returns,
+    if isinstance(node, ast.FunctionDef):  # a decorator is a call, whatever it looks like; but a Function's
+        a = node.args                        # forward and backward are @staticmethod, which runs no code of theirs
+        plain = all(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list)
+        return plain and not _calls(*a.defaults, *a.kw_defaults, node.returns,
                                                       *(x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs))
     if isinstance(node, ast.ClassDef):
         return (not node.decorator_list and not _calls(*node.bases, *node.keywords)
@@ -182,14 +183,14 @@ def normalised(fn: ast.FunctionDef) -> str:
     return ast.dump(fn, annotate_fields=False)
 
 
-def solutions(nb) -> dict[str, ast.FunctionDef]:
-    """The functions a source notebook's exercise cells define (its solutions)."""
+def solutions(nb) -> dict[str, ast.FunctionDef | ast.ClassDef]:
+    """The functions and classes a source notebook's exercise cells define (its solutions)."""
     out = {}
     for cell in nb["cells"]:
         if cell.get("cell_type") == "code" and "### BEGIN SOLUTION" in cell["source"]:
             tree = _parse("\n".join(line for line in cell["source"].split("\n")
                                     if "### BEGIN SOLUTION" not in line and "### END SOLUTION" not in line))
-            out.update({n.name: n for n in (tree.body if tree else []) if isinstance(n, ast.FunctionDef)})
+            out.update({n.name: n for n in (tree.body if tree else []) if isinstance(n, (ast.FunctionDef, ast.ClassDef))})
     return out
 
 

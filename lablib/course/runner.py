@@ -32,16 +32,18 @@ def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
 
 
 def namespace() -> dict:
-    """A fresh namespace for exercise code: torch, dist, math, lablib and the plain builtins only."""
+    """A fresh namespace for exercise code: torch, dist, F (torch.nn.functional), math, lablib and the
+    plain builtins only."""
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
 
     import lablib
 
     safe = {name: getattr(builtins, name) for name in SAFE_BUILTINS if hasattr(builtins, name)}
     safe.update(__import__=_guarded_import, __build_class__=builtins.__build_class__)
-    return {"__name__": "__exercise__", "__builtins__": safe, "torch": torch, "dist": dist, "math": math,
-            "lablib": lablib}
+    return {"__name__": "__exercise__", "__builtins__": safe, "torch": torch, "dist": dist, "F": F,
+            "math": math, "lablib": lablib}
 
 
 class Deadline:

@@ -1,0 +1,327 @@
+"""Lab 04 (tensor parallelism): Task 4.1 (column and row splits), 4.2 (Megatron's f and g, the MLP),
+4.3 (attention split by heads) and 4.4 (sequence parallelism), each run forward and backward on the
+ranks and judged against a single-process reference computed here, and against DTensor's result on the
+same ranks (not under a seed: other weights, drawn for hidden checks, need no second opinion, and
+DTensor's first use costs a rank seconds)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..strategies import tensor_parallel as tp
+from ..strategies import tp_reference as ref
+from . import Check, CheckFailed, run_on_ranks
+
+TOL = 1e-5
+_ACT = ref.B * ref.T * ref.WIDTH * 4  # bytes of a check's (3, 8, 32) fp32 activations
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_gather_into_tensor", "all_gather_single",
+                "reduce_scatter_tensor", "reduce_scatter_single", "_all_gather_base", "_reduce_scatter_base",
+                "broadcast", "all_to_all", "all_to_all_single")
+FORBIDDEN = {
+    **{f"dist.{name}": "use lablib's collectives (lablib.all_reduce, lablib.all_gather, lablib.reduce_scatter): "
+                       "they are traced, so the checks and the timeline see them" for name in _COLLECTIVES},
+    "dist.nn": "torch.distributed.nn's autograd-aware collectives are what this lab builds; use lablib's",
+    "dist.tensor": "DTensor is what the lab compares with; build the split yourself",
+    "parallelize_module": "DTensor is what the lab compares with; build the split yourself",
+    "~Parallel": "DTensor's parallel styles are what the lab compares with; build the split yourself",
+    "DTensor": "DTensor is what the lab compares with; build the split yourself",
+    "distribute_tensor": "DTensor is what the lab compares with; build the split yourself",
+    "~device_mesh": "DTensor is what the lab compares with; build the split yourself",
+}
+_RANK_HINTS = (
+    ("timed out", "one rank skipped a collective the others called: every rank must issue the same collectives, "
+                  "in the same order."),
+    ("non-contiguous", "a collective needs a contiguous tensor: pass t.contiguous()."),
+    ("modified by an inplace operation", "an all-reduce wrote into a tensor autograd saved for the backward: "
+                                         "all-reduce a copy (t.clone())."),
+    ("does not require grad", "a Function's backward must return a gradient for each input of its forward."),
+)
+
+
+def _err(got, want) -> float | None:
+    """The largest difference, or None when the shapes differ (or it is not a tensor)."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+        return None
+    return (got.detach().float() - want.float()).abs().max().item()
+
+
+def _shape(t) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+
+
+def _close(task, where, got, want, hint) -> float:
+    err = _err(got, want)
+    if err is None:
+        raise CheckFailed(f"{task}: {where} has {_shape(got)}, expected shape {tuple(want.shape)}. {hint}")
+    if not err <= TOL:
+        raise CheckFailed(f"{task}: {where} differs from the single-process reference by {err:.2e} (tolerance "
+                          f"{TOL:g}). {hint}")
+    return err
+
+
+def _per_rank(task, data, world_size):
+    if not isinstance(data, list) or len(data) != world_size or not all(isinstance(r, dict) for r in data):
+        raise CheckFailed(f"{task}: expected one result per rank from {world_size} ranks.")
+
+
+def _ops(task, where, got, want, hint) -> None:
+    """``got``: the collectives issued ("all_reduce 3072": name, bytes in); ``want``: [(name, bytes)]."""
+    names = [str(g).split(" ")[0] for g in got]
+    if names != [op for op, _ in want]:
+        name = lambda ops: ", ".join(op.replace("_", "-") for op in ops) or "no collective"  # noqa: E731
+        raise CheckFailed(f"{task}: {where} issued {name(names)}; expected exactly {name(op for op, _ in want)}. {hint}")
+    for g, (op, nbytes) in zip(got, want):
+        if g != f"{op} {nbytes}":
+            raise CheckFailed(f"{task}: {where}'s {op.replace('_', '-')} took {g.split(' ')[-1]} bytes in; expected "
+                              f"{nbytes}, the activations' share of this rank ({nbytes // 4} floats). Tensor "
+                              "parallelism communicates activations and their gradients, never weights.")
+
+
+def _reference(layer, x, dy, params):
+    """``layer(x)``, and the gradients of (output * dy).sum() for x and ``params``, in one process."""
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    (y * dy).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in params]
+
+
+def _dtensor(task, rank, got, grads) -> float:
+    """The learner's output and gradients (the input's first) against DTensor's on the same rank."""
+    d = got.get("dtensor")
+    if not d:
+        return 0.0
+    pairs = [(got["out"], d["out"]), (grads[0], d["x"]), *zip(grads[1:], d["grads"])]
+    worst = max(_err(a, b) if _err(a, b) is not None else float("inf") for a, b in pairs)
+    if not worst <= TOL:
+        raise CheckFailed(f"{task}: rank {rank}'s output or gradients differ from DTensor's by {worst:.2e}, though "
+                          "they match the single-process reference: tell the course's maintainers.")
+    return worst
+
+
+# -- Task 4.1: column- and row-parallel linear layers -------------------------------------------------------
+def collect_split(fns, pool, seed):
+    return run_on_ranks(pool, "Task 4.1", ref.split_job, *fns, seed, hints=_RANK_HINTS)
+
+
+def judge_split(data, world_size, seed) -> str:
+    task, n = "Task 4.1", world_size
+    _per_rank(task, data, n)
+    ff, _ = ref.layers(seed or 0)
+    x, dy, _ = ref.inputs(seed or 0, ref.B, ref.T, ref.WIDTH)
+    w1, b1, w2, b2 = (t.detach() for t in (ff.fc1.weight, ff.fc1.bias, ff.fc2.weight, ff.fc2.bias))
+    h = F.gelu(ff.fc1(x)).detach()
+    with torch.no_grad():
+        full2 = ff.fc2(h)
+    for r, got in enumerate(data):
+        want_w1, want_b1 = tp.shard_column(w1, b1, r, n)
+        if _err(got["w1"], w1.chunk(n, 1)[r]) == 0.0:
+            raise CheckFailed(f"{task}: shard_column split fc1.weight along dim 1. A Linear's weight is (out_features, "
+                              "in_features): the columns of A in Y = X A are the weight's rows, so a column-parallel "
+                              "split takes rows, weight.chunk(world_size, 0)[rank].")
+        _close(task, f"rank {r}'s shard_column weight", got["w1"], want_w1,
+               "Rank r keeps the r-th of world_size equal blocks of output features (rows of the weight).")
+        _close(task, f"rank {r}'s shard_column bias", got["b1"], want_b1,
+               "The bias belongs to the output features: each rank keeps the slice for its features.")
+        if _err(got["w2"], w2.chunk(n, 0)[r]) == 0.0:
+            raise CheckFailed(f"{task}: shard_row split fc2.weight along dim 0 (its output features). A row-parallel "
+                              "split takes the input features, the weight's columns: weight.chunk(world_size, 1)[rank].")
+        _close(task, f"rank {r}'s shard_row weight", got["w2"], w2.chunk(n, 1)[r],
+               "Rank r keeps the r-th block of input features (columns of the weight).")
+        _close(task, f"rank {r}'s shard_row bias", got["b2"], b2,
+               "A row-parallel layer's outputs are whole on every rank: keep the whole bias (it is added once, "
+               "after the all-reduce).")
+        _close(task, f"rank {r}'s column-parallel output", got["column"], F.linear(x, want_w1, want_b1), "")
+        lw1, lb1 = tp.leaves(w1, b1)
+        (F.linear(x, lw1, lb1) * dy).sum().backward()
+        for what, g, want in zip(("weight", "bias"), got["column_grads"], tp.shard_column(lw1.grad, lb1.grad, r, n)):
+            _close(task, f"rank {r}'s gradient of its fc1 {what} shard", g, want,
+                   "A column-parallel shard's gradient is the same slice of the whole layer's gradient.")
+        _ops(task, f"rank {r}'s row_linear", got["row_ops"], [("all_reduce", _ACT)],
+             "A row-parallel layer sums the ranks' partial products with one all-reduce (lablib.all_reduce).")
+        row = got["row"]
+        if _err(row, full2 + (n - 1) * b2) is not None and _err(row, full2 + (n - 1) * b2) <= TOL:
+            raise CheckFailed(f"{task}: rank {r}'s row_linear output holds the bias {n} times: every rank added it "
+                              "before the all-reduce summed them. Add the bias after the all-reduce.")
+        _close(task, f"rank {r}'s row_linear output", row, full2,
+               "Multiply this rank's slice of the input by its weight shard (no bias), all-reduce the partial "
+               "products in place, then add the bias.")
+    return (f" on {world_size} ranks: fc1 split by output features (forward and its weights' gradients) and fc2 "
+            "by input features (forward, one all-reduce) match the single-process layers")
+
+
+check_split = Check("Task 4.1", ("shard_column", "shard_row", "row_linear"), collect_split, judge_split,
+                    world_sizes=(2, 4), forbidden=FORBIDDEN, every_size=True)
+"""Task 4.1: a Linear's weight split by output features (column-parallel) and by input features (row-parallel)."""
+
+
+# -- Task 4.2: f and g, the tensor-parallel MLP -----------------------------------------------------------
+def collect_mlp(fns, pool, seed):
+    return run_on_ranks(pool, "Task 4.2", ref.mlp_job, *fns, seed, seed is None, hints=_RANK_HINTS)
+
+
+_NAMES = ("the input's gradient", "fc1's weight-shard gradient", "fc1's bias-shard gradient",
+          "fc2's weight-shard gradient", "fc2's bias gradient")
+
+
+def judge_mlp(data, world_size, seed) -> str:
+    task, n = "Task 4.2", world_size
+    _per_rank(task, data, n)
+    ff, _ = ref.layers(seed or 0)
+    x, _, dy = ref.inputs(seed or 0, ref.B, ref.T, ref.WIDTH)
+    model = ref.MLP(ff)
+    y, gx, (g1, gb1, g2, gb2) = _reference(model, x, dy, [model.fc1.weight, model.fc1.bias, model.fc2.weight,
+                                                          model.fc2.bias])
+    worst = dtensor = 0.0
+    for r, got in enumerate(data):
+        if got.get("out") is None:
+            raise CheckFailed(f"{task}: rank {r}'s tp_mlp returned {_shape(got.get('out'))}, expected the MLP's "
+                              f"output, shape {tuple(y.shape)}, whole on every rank.")
+        if _err(got["out"], y) is not None and _err(got["out"], y) > TOL and not any(str(g).startswith("all_reduce") for g in got["fwd"]):
+            raise CheckFailed(f"{task}: rank {r}'s output is its partial sum: g (Reduce) must all-reduce fc2's "
+                              "partial products in its forward.")
+        _ops(task, f"rank {r}'s forward", got["fwd"], [("all_reduce", _ACT)],
+             "The forward all-reduces once, in g (Reduce.forward); f (Copy.forward) is the identity.")
+        worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y,
+                                  "fc1 column-parallel (f first), GELU, fc2 row-parallel without bias, g, then the bias."))
+        _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)],
+             "The backward all-reduces once, in f (Copy.backward), the input's gradient; g's backward "
+             "(Reduce.backward) passes the gradient through.")
+        wants = [gx, *tp.shard_column(g1, gb1, r, n), *tp.shard_row(g2, gb2, r, n)]
+        for name, g, want in zip(_NAMES, got["grads"], wants):
+            hint = ("Each rank's input gradient is a partial sum over its features: f's backward (Copy.backward) "
+                    "must all-reduce it." if name == _NAMES[0] else "")
+            worst = max(worst, _close(task, f"rank {r}'s {name}", g, want, hint))
+        dtensor = max(dtensor, _dtensor(task, r, got, got["grads"]))
+    return (f" on {world_size} ranks: output and gradients match the single-process MLP (max error {worst:.1e}) and "
+            f"DTensor's ColwiseParallel/RowwiseParallel (max difference {dtensor:.1e}), with one all-reduce forward "
+            "and one backward")
+
+
+check_mlp = Check("Task 4.2", ("tp_mlp",), collect_mlp, judge_mlp, world_sizes=(2, 4), forbidden=FORBIDDEN,
+                  every_size=True)
+"""Task 4.2: Megatron's f and g as autograd Functions, and the MLP column- then row-parallel."""
+
+
+# -- Task 4.3: attention, split by heads -------------------------------------------------------------------
+def collect_attention(fns, pool, seed):
+    return run_on_ranks(pool, "Task 4.3", ref.attention_job, *fns, seed, seed is None, hints=_RANK_HINTS)
+
+
+def _core(att):
+    """Attention without LayerNorm and residual: what tp_attention computes."""
+    def run(x):
+        B, T, d = x.shape
+        q, k, v = att.qkv(x).view(B, T, 3, att.heads, d // att.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return att.proj(y.transpose(1, 2).reshape(B, T, d))
+    return run
+
+
+def judge_attention(data, world_size, seed) -> str:
+    task, n = "Task 4.3", world_size
+    _per_rank(task, data, n)
+    _, att = ref.layers(seed or 0)
+    x, _, dy = ref.inputs(seed or 0, ref.B, ref.T, ref.WIDTH)
+    w, b = att.qkv.weight.detach(), att.qkv.bias.detach()
+    y, gx, (gq, gbq, go, gbo) = _reference(_core(att), x, dy, [att.qkv.weight, att.qkv.bias, att.proj.weight,
+                                                              att.proj.bias])
+    worst = dtensor = 0.0
+    for r, got in enumerate(data):
+        want_w, want_b = tp.shard_qkv(w, b, r, n)
+        if _err(got["wqkv"], w.chunk(n, 0)[r]) == 0.0:
+            raise CheckFailed(f"{task}: rank {r}'s shard_qkv took a contiguous block of the fused weight's rows. Its "
+                              "rows are [Q; K; V], each for all heads, so that block is not this rank's heads (rank "
+                              "0 would get most of Q and none of V): take this rank's heads' rows from each of Q, K "
+                              "and V, and put them back in the order Q, K, V.")
+        _close(task, f"rank {r}'s shard_qkv weight", got["wqkv"], want_w,
+               f"With {ref.HEADS} heads of {ref.WIDTH // ref.HEADS} features on {n} ranks, rank r keeps heads "
+               f"r*{ref.HEADS // n} to (r+1)*{ref.HEADS // n}-1 of Q, of K and of V: weight.view(3, world_size, -1, "
+               "d_in) picks them.")
+        _close(task, f"rank {r}'s shard_qkv bias", got["bqkv"], want_b, "Split the bias as the weight's rows.")
+        if got.get("out") is None:
+            raise CheckFailed(f"{task}: rank {r}'s tp_attention returned {_shape(got.get('out'))}, expected shape "
+                              f"{tuple(y.shape)}, whole on every rank.")
+        _ops(task, f"rank {r}'s forward", got["fwd"], [("all_reduce", _ACT)], "Use your f (Copy) before the QKV projection "
+             "and your g (Reduce) after the output projection, as in the MLP.")
+        worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y,
+                                  "Each rank attends with its own heads only (heads = the heads on this rank): "
+                                  "q, k, v from F.linear(f(x), wqkv, bqkv).view(B, T, 3, heads, head_dim)."))
+        _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)], "f's backward all-reduces the input's gradient.")
+        wants = [gx, *tp.shard_qkv(gq, gbq, r, n), *tp.shard_row(go, gbo, r, n)]
+        names = ("the input's gradient", "the QKV weight-shard gradient", "the QKV bias-shard gradient",
+                 "the output projection's weight-shard gradient", "the output projection's bias gradient")
+        for name, g, want in zip(names, got["grads"], wants):
+            worst = max(worst, _close(task, f"rank {r}'s {name}", g, want, ""))
+        # DTensor's Q, K and V are three layers: against them, the thirds of the fused shard's gradient
+        dtensor = max(dtensor, _dtensor(task, r, got, [got["grads"][0], *got["grads"][1].chunk(3), got["grads"][3]]))
+    return (f" on {world_size} ranks: {ref.HEADS // n} heads per rank; output and gradients match single-process "
+            f"attention (max error {worst:.1e}) and DTensor with Q, K, V ColwiseParallel and the projection "
+            f"RowwiseParallel (max difference {dtensor:.1e})")
+
+
+check_attention = Check("Task 4.3", ("shard_qkv", "tp_attention"), collect_attention, judge_attention,
+                        world_sizes=(2, 4), forbidden=FORBIDDEN, every_size=True)
+"""Task 4.3: self-attention with its heads split across ranks."""
+
+
+# -- Task 4.4: sequence parallelism -------------------------------------------------------------------------
+def collect_sp(fns, pool, seed):
+    return run_on_ranks(pool, "Task 4.4", ref.sp_job, *fns, seed, seed is None, hints=_RANK_HINTS)
+
+
+def judge_sp(data, world_size, seed) -> str:
+    task, n = "Task 4.4", world_size
+    _per_rank(task, data, n)
+    ff, _ = ref.layers(seed or 0)
+    x, _, dy = ref.inputs(seed or 0, ref.T, ref.B, ref.WIDTH)
+    params = [ff.ln.weight, ff.ln.bias, ff.fc1.weight, ff.fc1.bias, ff.fc2.weight, ff.fc2.bias]
+    y, gx, (glw, glb, g1, gb1, g2, gb2) = _reference(ff, x, dy, params)
+    worst = dtensor = 0.0
+    for r, got in enumerate(data):
+        if got.get("out") is None:
+            raise CheckFailed(f"{task}: rank {r}'s sp_feed_forward returned {_shape(got.get('out'))}, expected this "
+                              f"rank's part of the sequence, shape {tuple(y.chunk(n)[r].shape)}.")
+        _ops(task, f"rank {r}'s forward", got["fwd"], [("all_gather", _ACT // n), ("reduce_scatter", _ACT)],
+             "Gather the normalised sequence before fc1 (your Gather.forward: all-gather) and reduce-scatter fc2's "
+             "partial products (your Scatter.forward); no all-reduce.")
+        worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y.chunk(n)[r],
+                                  "LayerNorm on this rank's tokens, Gather, fc1, GELU, fc2 (no bias), Scatter, then "
+                                  "the bias and the residual (this rank's x)."))
+        _ops(task, f"rank {r}'s backward", got["bwd"], [("all_gather", _ACT // n), ("reduce_scatter", _ACT)],
+             "Scatter's backward all-gathers the gradient; Gather's backward reduce-scatters it.")
+        wants = [gx.chunk(n)[r], glw, glb, *tp.shard_column(g1, gb1, r, n), *tp.shard_row(g2, gb2, r, n)]
+        names = ("the gradient of its part of the input", "LayerNorm's weight gradient (summed over ranks)",
+                 "LayerNorm's bias gradient (summed over ranks)", "fc1's weight-shard gradient",
+                 "fc1's bias-shard gradient", "fc2's weight-shard gradient", "fc2's bias gradient (summed over ranks)")
+        for name, g, want in zip(names, got["grads"], wants):
+            hint = ("Gather's backward must reduce-scatter the gradient: each rank's fc1 saw the whole sequence, "
+                    "so the input gradients are partial sums." if name == names[0] else "")
+            worst = max(worst, _close(task, f"rank {r}'s {name}", g, want, hint))
+        dtensor = max(dtensor, _dtensor(task, r, got, [got["grads"][0], got["grads"][1], got["grads"][3]]))
+    return (f" on {world_size} ranks: each rank holds {ref.T // n} of the {ref.T} tokens outside the tensor-parallel "
+            f"region; output and gradients match the single-process sub-block (max error {worst:.1e}) and DTensor's "
+            f"SequenceParallel (max difference {dtensor:.1e})")
+
+
+check_sp = Check("Task 4.4", ("sp_feed_forward",), collect_sp, judge_sp, world_sizes=(2, 4), forbidden=FORBIDDEN,
+                 every_size=True)
+"""Task 4.4: the feed-forward sub-block with sequence parallelism."""
+
+
+# -- the notebook's measurements run the learner's functions once they have passed -----------------------
+_TASKS = {"tp_mlp": ("Task 4.2", "mlp"), "tp_attention": ("Task 4.3", "attention")}
+
+
+def yours(**fns) -> tp.Fns:
+    """The functions a measured block runs: the learner's where their task's check passed in this kernel,
+    lablib's for the others. Prints whose are used."""
+    from . import PASSED
+
+    unknown = set(fns) - set(_TASKS)
+    if unknown:
+        raise TypeError(f"yours() takes {', '.join(_TASKS)}; got {', '.join(sorted(unknown))}")
+    chosen = {attr: fns[k] if k in fns and task in PASSED else getattr(tp, attr) for k, (task, attr) in _TASKS.items()}
+    mine = [task for k, (task, attr) in _TASKS.items() if chosen[attr] is fns.get(k)]
+    print("Measuring " + (f"your functions of {', '.join(mine)}" if mine else "lablib's functions")
+          + (" (lablib's for the rest: not passed yet)" if mine and len(mine) < len(_TASKS) else ""))
+    return tp.Fns(**chosen)

@@ -1,0 +1,251 @@
+"""Tensor (intra-layer) parallelism after Megatron-LM (Shoeybi et al., 2019, arXiv:1909.08053, section 3),
+and sequence parallelism after Korthikanti et al. (2022, arXiv:2205.05198, section 4.2.2).
+
+A linear layer Y = X A splits two ways (torch keeps A transposed: ``weight`` is (out, in)):
+- column-parallel: A by its columns, the output features (``weight``'s rows); rank r computes its slice
+  of Y from the whole X, and keeps its slice of the bias;
+- row-parallel: A by its rows, the input features (``weight``'s columns); rank r multiplies its slice of
+  X, a partial sum of Y; an all-reduce adds the partial sums; the bias is added once, after it.
+Column then row needs no communication in between, so an MLP costs one all-reduce in the forward (g)
+and one in the backward (f). Attention splits by heads: Q, K and V column-parallel, the output
+projection row-parallel. Sequence parallelism splits the sequence outside those regions (LayerNorm,
+residual): g becomes a reduce-scatter along the sequence, f an all-gather.
+
+These are lablib's own versions (the lab's exercises are the learner's), used where the learner's are
+not done yet and by the benchmark; then the measured block. The checks' jobs and PyTorch's DTensor on
+the same layers are in tp_reference.py.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from .. import comm
+from ..timeline import RECORDER, RawSpan, _now
+from ..toy import Attention, FeedForward
+from .prefetch import start_recording
+
+
+# -- the pieces ----------------------------------------------------------------------------------------
+def shard_column(weight, bias, rank, world_size):
+    return weight.chunk(world_size, 0)[rank], bias.chunk(world_size, 0)[rank]
+
+
+def shard_row(weight, bias, rank, world_size):
+    return weight.chunk(world_size, 1)[rank], bias
+
+
+def row_linear(x, weight, bias):
+    y = F.linear(x, weight)
+    comm.all_reduce(y)
+    return y + bias
+
+
+class Copy(Function):
+    """Megatron's f: identity forward, all-reduce backward."""
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad)
+        return grad
+
+
+class Reduce(Function):
+    """Megatron's g: all-reduce forward, identity backward."""
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _split0(x):
+    n = dist.get_world_size()
+    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+
+
+def _whole0(x):
+    return x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
+
+
+class Gather(Function):
+    """Sequence parallelism's f: all-gather along the sequence (dim 0) forward, reduce-scatter backward."""
+    @staticmethod
+    def forward(ctx, x):
+        out = _whole0(x)
+        comm.all_gather(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = _split0(grad)
+        comm.reduce_scatter(out, grad.contiguous())
+        return out
+
+
+class Scatter(Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence (dim 0) forward, all-gather backward."""
+    @staticmethod
+    def forward(ctx, x):
+        out = _split0(x)
+        comm.reduce_scatter(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = _whole0(grad)
+        comm.all_gather(out, grad.contiguous())
+        return out
+
+
+def mlp(x, w1, b1, w2, b2):
+    """(..., d), whole on every rank -> (..., d), whole: fc1 column-parallel, fc2 row-parallel."""
+    h = F.gelu(F.linear(Copy.apply(x), w1, b1))   # (..., ffn / n)
+    return Reduce.apply(F.linear(h, w2)) + b2
+
+
+def shard_qkv(weight, bias, rank, world_size):
+    """The fused (3d, d) projection's rows are [Q; K; V], each d = heads x head_dim: a rank takes its
+    heads' rows from each of the three."""
+    d_in = weight.shape[1]
+    w = weight.view(3, world_size, -1, d_in)[:, rank].reshape(-1, d_in)
+    return w, bias.view(3, world_size, -1)[:, rank].reshape(-1)
+
+
+def attention(x, wqkv, bqkv, wo, bo, heads):
+    """(B, T, d), whole on every rank -> (B, T, d); ``heads``: this rank's heads."""
+    B, T, _ = x.shape
+    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, heads, T, head_dim)
+    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo)) + bo
+
+
+def sp_feed_forward(x, ln_w, ln_b, w1, b1, w2, b2):
+    """The feed-forward sub-block, x + fc2(gelu(fc1(ln(x)))), on this rank's part of the sequence:
+    (T / n, B, d) -> (T / n, B, d)."""
+    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))   # (T, B, d)
+    h = F.gelu(F.linear(h, w1, b1))                               # (T, B, ffn / n)
+    return x + Scatter.apply(F.linear(h, w2)) + b2
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _rank():
+    return dist.get_rank(), dist.get_world_size()
+
+
+# -- measured: a tensor-parallel transformer block ---------------------------------------------------------
+class Fns:
+    """The functions a block runs: lablib's by default, or the learner's (``yours`` in lab 04's checks)."""
+
+    def __init__(self, mlp=mlp, attention=attention):
+        self.mlp, self.attention = mlp, attention
+
+
+WIDE = dict(d=256, heads=8, ffn=1024, batch=4, tokens=128)  # measured block: 4 x 128 tokens, width 256
+
+
+def wide_block(seed: int = 0):
+    torch.manual_seed(seed)
+    return Attention(WIDE["d"], WIDE["heads"]), FeedForward(WIDE["d"], WIDE["ffn"])
+
+
+def _cut_at_comm(spans: list) -> list:
+    """A rank that waits in a synchronous collective is not computing: cut the compute spans around
+    the comm spans inside them."""
+    comms = sorted((s.t0, s.t1) for s in spans if s.kind == "comm")
+    out = []
+    for s in spans:
+        if s.kind != "compute":
+            out.append(s)
+            continue
+        t = s.t0
+        for c0, c1 in comms:
+            if c1 <= t or c0 >= s.t1:
+                continue
+            if c0 > t:
+                out.append(s._replace(t0=t, t1=c0))
+            t = max(t, c1)
+        if t < s.t1:
+            out.append(s._replace(t0=t))
+    return out
+
+
+def block_job(fns: Fns, steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
+    """Forward and backward of the wide transformer block, tensor-parallel over all ranks, with the
+    learner's (or lablib's) functions; recorded after ``warmup`` steps, with a compute span per
+    sub-block and pass, cut where the rank waits in a collective. Returns each recorded step's seconds."""
+    r, n = _rank()
+    att, ff = wide_block(seed)
+    heads = WIDE["heads"] // n
+    a = leaves(*shard_qkv(att.qkv.weight, att.qkv.bias, r, n), *shard_row(att.proj.weight, att.proj.bias, r, n))
+    m = leaves(*shard_column(ff.fc1.weight, ff.fc1.bias, r, n), *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
+    x = torch.randn(WIDE["batch"], WIDE["tokens"], WIDE["d"], generator=torch.Generator().manual_seed(seed))
+    seconds = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            start_recording()
+        marks = {"F attn": _now()}
+        xs = x.clone().requires_grad_()
+        h = xs + fns.attention(att.ln(xs), *a, heads)
+        marks["F mlp"] = _now()
+        out = h + fns.mlp(ff.ln(h), *m)
+        marks["B mlp"] = _now()
+        h.register_hook(lambda grad: marks.setdefault("B attn", _now()) and None)  # h's gradient is whole: mlp's done
+        out.sum().backward()
+        end = _now()
+        if step >= warmup and RECORDER.spans is not None:
+            names = list(marks)
+            RECORDER.spans.extend(RawSpan(name, "compute", marks[name], marks[names[i + 1]] if i + 1 < len(names) else end,
+                                          0, None, False, {}) for i, name in enumerate(names))
+        seconds.append((end - marks["F attn"]) / 1e9)
+    if RECORDER.spans is not None:
+        RECORDER.spans[:] = _cut_at_comm(RECORDER.spans)
+    return {"seconds": seconds[warmup:], "tokens": WIDE["batch"] * WIDE["tokens"]}
+
+
+def saved_bytes(fn, *args, params=()) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward while ``fn(*args)`` runs forward,
+    less ``params``' (weights are not activations): the activation memory held until the backward."""
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = t.nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def activation_bytes(mode: str = "tp", fns=None, seed: int = 0) -> int:
+    """On this rank: the activation bytes the wide block's feed-forward sub-block saves for its backward,
+    tensor-parallel ("tp": LayerNorm and residual on the whole sequence) or with sequence parallelism
+    ("sp": on this rank's part); ``fns``: (mlp, sp_feed_forward), lablib's by default."""
+    r, n = _rank()
+    mlp_fn, sp_fn = fns or (mlp, sp_feed_forward)
+    _, ff = wide_block(seed)
+    x = torch.randn(WIDE["tokens"], WIDE["batch"], WIDE["d"], generator=torch.Generator().manual_seed(seed))
+    weights = leaves(ff.ln.weight, ff.ln.bias, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
+                     *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
+    if mode == "sp":
+        return saved_bytes(sp_fn, leaves(x.chunk(n)[r])[0], *weights, params=weights)
+    ln_w, ln_b, *fc = weights
+    x = leaves(x)[0]
+    return saved_bytes(lambda: x + mlp_fn(F.layer_norm(x, x.shape[-1:], ln_w, ln_b), *fc), params=weights)
+
