@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     grd.add_argument("--out", default="gradebook.csv", help="gradebook CSV (reports go to <name>-reports/)")
     grd.add_argument("--source", help="source notebooks: also run their hidden checks and flag copied solutions")
     grd.add_argument("--banks", help="the keyed quiz banks (default: the repository's quizzes/)")
-    grd.add_argument("--seed", type=int, help="seed of the hidden checks' inputs (default: drawn at random, "
+    grd.add_argument("--seed", type=int, help="seed of the checks' inputs (default: drawn at random, "
                                               "written in every report)")
     grd.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT,
                      help=f"seconds for one check (default {CHECK_TIMEOUT:g})")

@@ -112,6 +112,14 @@ UNTRACED = ("    dist.all_gather_into_tensor(output, input)\n"
 VANDAL = "    x.numpy().tofile({path!r})\n" + MEAN
 
 
+# A pool whose run() returns what Task 0.1's check wants (its inputs rebuilt from the call's seed) without
+# running anything: it scores if code outside the checked function can replace Cluster.run in the box.
+PATCH_RUN = ("def fake_run(self, job, fn, seed):\n    g = torch.Generator().manual_seed(seed)\n"
+             "    ins = [torch.randn(3 + seed % 7, generator=g) * 10 for _ in range(self.world_size)]\n"
+             "    return [torch.stack(ins).mean(0)] * self.world_size\n"
+             "def patch(c):\n    c.run = fake_run\n")
+
+
 def _learners(released, root):
     victim = root / "submissions" / "zz_later" / f"{LAB}.ipynb"
     release_copy = root / "release" / f"{LAB}.ipynb"
@@ -136,6 +144,14 @@ def _learners(released, root):
         "fake_cluster": (_learner(released, stub, insert=[
             "class Fake:\n    def run(self, fn, *args):\n        return [torch.tensor([1.5, 3.5, 5.5, 7.5])] * 2\n"
             "cluster = Fake()"]), None),
+        # code that runs when a class is defined, patching the grader's pool from inside the box
+        "init_subclass": (_learner(released, {2: PATCH_RUN + "class Hook:\n    def __init_subclass__(cls):\n"
+                                                 "        patch(lablib.Cluster)\nclass Copy(Hook):\n    pass\n"
+                                                 "def mean_across_ranks(x):\n    return x"}), None),
+        "metaclass": (_learner(released, {2: PATCH_RUN + "class Meta(torch.autograd.function.FunctionMeta):\n"
+                                             "    def __init__(cls, *a):\n        patch(lablib.Cluster)\n"
+                                             "class Copy(torch.autograd.Function, metaclass=Meta):\n    pass\n"
+                                             "def mean_across_ranks(x):\n    return x"}), None),
         # 5-6: lablib's answers, library collectives
         "library": (_learner(released, {
             2: "mean_across_ranks = None",
@@ -286,7 +302,7 @@ def test_untouched_release_scores_zero_and_says_what_is_not_done(course):
 
 
 @pytest.mark.parametrize("learner", ["fake_check", "fake_allclose", "swallow_errors", "fake_cluster", "string_trick",
-                                     "class_body"])
+                                     "class_body", "init_subclass", "metaclass"])
 def test_changes_outside_the_exercise_gain_nothing(course, learner):
     root, _, rows, _ = course
     assert _row(rows, learner, "TOTAL")[0] == 0
@@ -375,7 +391,7 @@ def test_a_hanging_check_is_stopped_and_the_others_still_count(course):
 
 def test_every_learner_is_graded_in_one_run_and_nothing_is_left_running(course):
     root, _, rows, _ = course
-    assert len({r["learner"] for r in rows}) == 30
+    assert len({r["learner"] for r in rows}) == 32
     if os.environ.get("LABLIB_REQUIRE_SANDBOX"):
         assert "WITHOUT a sandbox" not in _report(root, "good")
     for pid in filter(str.isdigit, os.listdir("/proc")):

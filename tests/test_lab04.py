@@ -1,6 +1,8 @@
 """Lab 04 (tensor parallelism): lablib's column/row splits, f and g, attention by heads and sequence
 parallelism against the single-process reference and DTensor; the measured block's timeline and bytes;
 Tasks 4.1-4.4's checks on right answers and typical mistakes."""
+import ast
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,3 +363,42 @@ def test_the_link_model_of_the_tp_chart():
     assert nv["bytes"] == 2 * 4096 * 8192 * 2
     assert nv["comm"] == pytest.approx(2 * comm.Link("x", nv["link"].alpha, nv["link"].beta).seconds(
         "all_reduce", 4096 * 8192 * 2, 8))
+
+
+# -- ways around the work, refused before anything runs ---------------------------------------------------
+@pytest.mark.parametrize("source, found", [
+    ("from torch import distributed as D\ndef f(x):\n    D.all_gather(x, x)", "uses dist.all_gather"),
+    ("def f(x):\n    return F.torch.distributed.all_reduce(x)", "uses dist.all_reduce"),
+    ("def f(x):\n    torch.nn.parallel.distributed.dist.broadcast(x, 0)", "uses dist.broadcast"),
+    ("def f(x):\n    pg = dist.new_group()\n    pg.allreduce(x)", "uses dist.new_group"),
+    ("def f(x):\n    dist.all_gather_object([], x)", "uses dist.all_gather_object"),
+    ("def f(x):\n    dist.send(x, 1)", "uses dist.send"),
+    ("def f(x):\n    torch.manual_seed(torch.initial_seed())", "uses torch.manual_seed"),
+    ("def f(x):\n    return torch.random.get_rng_state()", "uses torch.random"),
+    ("class Hook:\n    def __init_subclass__(cls):\n        pass", "defines Hook.__init_subclass__"),
+    ("class C(torch.autograd.Function, metaclass=M):\n    pass", "metaclass"),
+])
+def test_ways_around_the_traced_collectives_and_the_drawn_weights_are_refused(source, found):
+    from lablib.checks.lab04 import FORBIDDEN
+    from lablib.checks.policy import problems
+
+    assert any(found in p for p in problems(ast.parse(source), FORBIDDEN, {"M"})), problems(ast.parse(source), FORBIDDEN)
+
+
+def test_queries_and_autograd_functions_are_allowed():
+    from lablib.checks.lab04 import FORBIDDEN
+    from lablib.checks.policy import problems
+
+    ok = ("class Copy(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n        return x\n"
+          "def f(x):\n    return x.new_empty((x.shape[0] * dist.get_world_size(), dist.get_rank()))")
+    assert problems(ast.parse(ok), FORBIDDEN) == []
+
+
+def test_a_module_bound_in_another_statement_keeps_its_rules_when_grading():
+    from lablib.course.exercises import Call, exercise_code, refusal
+
+    src = ("from torch import distributed as D\n\n\ndef tp_mlp(x, w1, b1, w2, b2):\n    D.all_reduce(x)\n    return x\n")
+    nb = {"cells": [{"cell_type": "code", "metadata": {"lablib": {"exercise": ["Task 4.2"]}}, "source": src,
+                     "outputs": [], "execution_count": None}]}
+    call = Call("check-4.2#0", "check-4.2", "lab04", "check_mlp", ("tp_mlp",), 2, 1, False)
+    assert "line 5: uses dist.all_reduce" in refusal(call, exercise_code(nb))

@@ -14,6 +14,8 @@ _TRACED = {f"dist.{name}": "use lablib.all_gather / lablib.reduce_scatter: they 
                            "shows what your hooks do" for name in (
     "all_gather_into_tensor", "all_gather_single", "all_gather", "reduce_scatter_tensor", "reduce_scatter_single",
     "reduce_scatter", "all_reduce", "_all_gather_base", "_reduce_scatter_base")}
+_TRACED["dist.*"] = ("exercises move data with lablib's traced collectives only; of torch.distributed they may ask "
+                     "get_rank and get_world_size")
 _RANK_HINTS = (
     ("storage of size 0", "a unit computed while its flat buffer was freed: its pre-hook must resize the storage "
                           "back (unit.layout.padded_numel * unit.flat.element_size() bytes) and fill it with "

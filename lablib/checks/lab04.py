@@ -21,6 +21,8 @@ FORBIDDEN = {
     **{f"dist.{name}": "use lablib's collectives (lablib.all_reduce, lablib.all_gather, lablib.reduce_scatter): "
                        "they are traced, so the checks and the timeline see them" for name in _COLLECTIVES},
     "dist.nn": "torch.distributed.nn's autograd-aware collectives are what this lab builds; use lablib's",
+    "dist.*": "exercises move data with lablib's traced collectives only; of torch.distributed they may ask "
+              "get_rank and get_world_size",
     "dist.tensor": "DTensor is what the lab compares with; build the split yourself",
     "parallelize_module": "DTensor is what the lab compares with; build the split yourself",
     "~Parallel": "DTensor's parallel styles are what the lab compares with; build the split yourself",

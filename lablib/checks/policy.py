@@ -32,10 +32,16 @@ OWN_MODULES = ("torch", "math", "lablib", "functools", "itertools", "collections
 LABLIB_PUBLIC = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
                  "isend", "irecv", "span", "device", "cluster", "Cluster", "RankError", "Timeline", "Span"}
 TORCH_DENIED = {"save", "load", "hub", "utils", "ops", "classes", "jit", "library", "package", "multiprocessing",
+                # the random state: a check's weights and inputs are drawn from seeds the code must not replay
+                "manual_seed", "initial_seed", "seed", "get_rng_state", "set_rng_state", "random", "default_generator",
                 "compile", "export", "fx", "overrides"}
 # Attributes that lead from any object to modules, the interpreter or the process group's internals.
 DENIED = {"sys", "os", "modules", "builtins", "importlib", "subprocess", "ctypes", "distributed_c10d", "group",
           "GroupMember", "attrgetter", "methodcaller", "globals", "f_globals", "f_back", "gi_frame"}
+
+# What ``dist.*`` in a task's forbidden rules leaves allowed: questions, no data moved (labs 03-04, whose
+# exercises communicate through lablib's traced collectives only).
+DIST_QUERIES = {"get_rank", "get_world_size", "ReduceOp", "is_initialized", "get_backend"}
 
 # Collectives a ring must not call, with what to do instead (lab 02). A key starting with "~" matches
 # any attribute that contains it (all_gather_coalesced, allgather, reduce_scatter_tensor, ...).
@@ -55,6 +61,12 @@ def _root(node) -> str | None:
     while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
         node = node.func if isinstance(node, ast.Call) else node.value
     return node.id if isinstance(node, ast.Name) else None
+
+
+def module_aliases(statements) -> dict[str, str]:
+    """{name: module} that top-level ``statements`` (imports, assignments) bind, beyond the globals."""
+    found = _aliases(ast.Module(body=list(statements), type_ignores=[]))
+    return {k: v for k, v in found.items() if k not in GLOBALS}
 
 
 def bound_names(tree) -> set[str]:
@@ -82,13 +94,17 @@ def _is_path(node) -> bool:
 
 
 def _module_of(node, modules: dict[str, str]) -> str | None:
-    """The library module ``node`` holds: a name bound to one, or ``torch.distributed`` spelled out
-    (held as "dist", so a rule on ``dist.x`` applies to ``torch.distributed.x`` too)."""
-    if isinstance(node, ast.Name):
-        return modules.get(node.id)
-    if isinstance(node, ast.Attribute) and node.attr == "distributed" and _module_of(node.value, modules) == "torch":
-        return "dist"
-    return None
+    """The library module ``node`` holds, by what it is, however it is spelled (``F.torch.distributed``
+    is torch.distributed): "dist" for torch.distributed (so a rule on ``dist.x`` holds for every
+    spelling), else the module's name; None when it is no module."""
+    path = _chain(node, modules)
+    if not path:
+        return None
+    objects = list(_walk_chain(path))
+    if len(objects) != len(path) or not inspect.ismodule(objects[-1]):
+        return None
+    name = objects[-1].__name__
+    return "dist" if name == "torch.distributed" else name
 
 
 def _chain(node, modules: dict[str, str]) -> list[str] | None:
@@ -126,10 +142,11 @@ def _torch_attr(name: str):
     return getattr(torch, name, _torch_attr)  # a stand-in no chain can reach, where torch has no such name
 
 
-def _aliases(tree) -> dict[str, str]:
-    """{name: the library module it holds}: torch, dist, math, lablib, and every name bound to one of
-    them or to an attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
-    out = {name: _HELD.get(name, name) for name in GLOBALS}
+def _aliases(tree, outer: dict[str, str] | None = None) -> dict[str, str]:
+    """{name: the library module it holds}: torch, dist, F, math, lablib, the names ``outer`` gives (the
+    modules the learner's other cells bound), and every name bound here to one of them or to an
+    attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
+    out = {name: _HELD.get(name, name) for name in GLOBALS} | dict(outer or {})
     changed = True
     while changed:
         changed = False
@@ -141,11 +158,12 @@ def _aliases(tree) -> dict[str, str]:
                          for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 base = "dist" if node.module == "torch.distributed" else node.module.split(".")[0]
-                pairs = [(a.asname or a.name, base) for a in node.names]
+                pairs = [(a.asname or a.name, "dist" if f"{node.module}.{a.name}" == "torch.distributed" else base)
+                         for a in node.names]
             elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and _is_path(node.value):
                 root = _root(node.value)
                 if root in out:
-                    held = _module_of(node.value, out) if _module_of(node.value, out) == "dist" else out[root]
+                    held = "dist" if _module_of(node.value, out) == "dist" else out[root]
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     pairs = [(n.id, held) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
             for name, module in pairs:
@@ -154,14 +172,16 @@ def _aliases(tree) -> dict[str, str]:
     return out
 
 
-def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: set[str] = frozenset()) -> list[str]:
+def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: set[str] = frozenset(),
+             outer: dict[str, str] | None = None) -> list[str]:
     """What in ``tree`` breaks the rules, one line each ([] when nothing does).
 
     ``forbidden``: {name, "module.name" or "~part of a name": what to do instead} for this task;
-    ``defined``: names other exercise cells define (the learner's own helpers)."""
+    ``defined``: names other exercise cells define (the learner's own helpers); ``outer``: those of them
+    that hold library modules, and which (``from torch import distributed as D`` in another cell)."""
     forbidden = forbidden or {}
     bound = bound_names(tree) | set(defined)
-    modules = _aliases(tree)  # names that hold library modules here, and which
+    modules = _aliases(tree, outer)  # names that hold library modules here, and which
     out = []
 
     def add(node, text):
@@ -203,8 +223,9 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                 if module == "lablib" and alias.name not in LABLIB_PUBLIC:
                     add(node, f"imports lablib.{alias.name}, which is not one of lablib's helpers for exercises "
                               f"({', '.join(sorted(LABLIB_PUBLIC))})")
-                qualified = f"{'dist' if module == 'torch.distributed' else module}.{alias.name}"
-                why = forbidden.get(qualified) or _forbidden_attr(alias.name, forbidden)
+                held = "dist" if module == "torch.distributed" else module
+                why = (forbidden.get(f"{held}.{alias.name}") or _forbidden_attr(alias.name, forbidden)
+                       or _dist_rule(held, alias.name, forbidden))
                 if why or alias.name in DENIED:
                     add(node, f"imports {alias.name}: {why or 'an exercise does not need it'}")
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
@@ -214,7 +235,8 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                 add(node, f"uses {node.id}, which is neither yours, nor torch/dist/math/lablib, nor a plain builtin")
         elif isinstance(node, ast.Attribute):
             module = _module_of(node.value, modules)
-            why = _forbidden_attr(node.attr, forbidden) or (module and forbidden.get(f"{module}.{node.attr}"))
+            why = (_forbidden_attr(node.attr, forbidden) or (module and forbidden.get(f"{module}.{node.attr}"))
+                   or _dist_rule(module, node.attr, forbidden))
             if node.attr.startswith("_"):
                 add(node, f"uses the private attribute .{node.attr}")
             elif node.attr in DENIED:
@@ -226,6 +248,15 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                           f"({', '.join(sorted(LABLIB_PUBLIC))}), not its internals")
             if module in ("torch", "dist") and node.attr in TORCH_DENIED:
                 add(node, f"uses {module}.{node.attr}, which an exercise does not need")
+        if isinstance(node, ast.ClassDef):
+            if node.keywords:
+                add(node, f"gives class {node.name} keywords ({', '.join(k.arg or '**' for k in node.keywords)}): a "
+                          "metaclass runs code of its own when the class is defined")
+            for item in node.body:
+                for name in sorted(_top_level_names(item)):
+                    if name.startswith("__") and name.endswith("__"):
+                        add(item, f"defines {node.name}.{name}: a class in an exercise holds plain methods (an "
+                                  "autograd Function's forward and backward), no hooks Python calls by itself")
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for t in targets:
@@ -233,6 +264,22 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                     if isinstance(sub, (ast.Attribute, ast.Subscript)) and _root(sub) in modules:
                         add(node, f"changes {ast.unparse(sub)}, part of a library; change only your own objects")
     return out
+
+
+def _dist_rule(module, attr: str, forbidden: dict) -> str | None:
+    """A task's ``dist.*`` rule: every member of torch.distributed but the questions (DIST_QUERIES)."""
+    if module == "dist" and attr not in DIST_QUERIES and "dist.*" in forbidden:
+        return forbidden["dist.*"]
+    return None
+
+
+def _top_level_names(item) -> set[str]:
+    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {item.name}
+    if isinstance(item, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return set()
 
 
 def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
@@ -246,9 +293,12 @@ def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return unreadable
-    defined = {name for name, value in getattr(fn, "__globals__", {}).items() if _learners(value)}
+    space = getattr(fn, "__globals__", {})
+    defined = {name for name, value in space.items() if _learners(value)}
     defined |= set(fn.__code__.co_freevars)  # helpers of a function defined inside another
-    return problems(tree, forbidden, defined)
+    outer = {name: "dist" if space[name].__name__ == "torch.distributed" else space[name].__name__
+             for name in defined & set(space) if inspect.ismodule(space[name])}
+    return problems(tree, forbidden, defined, outer)
 
 
 def reachable_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:

@@ -6,7 +6,8 @@
   when grading. Each function a check takes is read against policy.py before anything runs.
 - Check calls: each graded cell of the release (and, with the source, its hidden checks) is read as
   calls like ``check_zero1(zero1_step, cluster)``; ``cluster`` means the check's own world sizes.
-  Hidden calls get inputs drawn from the grading run's seed.
+  Every call gets inputs drawn from the grading run's seed (visible calls too: the notebook's own
+  weights are known, so code could replay them instead of computing).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from ..checks import Check
-from ..checks.policy import GLOBALS, SAFE_BUILTINS, bound_names, problems
+from ..checks.policy import GLOBALS, SAFE_BUILTINS, bound_names, module_aliases, problems
 from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
 
 
@@ -110,6 +111,7 @@ def exercise_code(nb) -> Exercise:
             included.append((index, cell, tree))
     defined = {name for _, _, tree in included if tree for node in tree.body if _keep(node)
                for name in _top_names(node)}
+    outer = module_aliases(node for _, _, tree in included if tree for node in tree.body if _keep(node))
     for index, cell, tree in included:
         if tree is None:  # runs as it is, so the learner sees its SyntaxError in the report
             ex.cells.append({"name": f"cell {index}", "source": cell["source"]})
@@ -117,7 +119,7 @@ def exercise_code(nb) -> Exercise:
         kept = []
         for node in tree.body:
             dropped = not _keep(node)
-            found = [] if dropped else problems(node, {}, defined)
+            found = [] if dropped else problems(node, {}, defined, outer)
             if dropped or found:
                 why = ("it runs code when defined (only definitions run when grading)" if dropped
                        else "; ".join(found))
@@ -159,8 +161,9 @@ def refusal(call: Call, ex: Exercise) -> str:
             return f"{spec.task}: {name} {ex.refused[name]}."
         if name not in ex.functions:
             return f"{spec.task}: your exercise code has no `def {name}(...)`, so there is nothing to check."
+        outer = module_aliases(ex.nodes.values())
         for node in _reachable(ex.functions[name], ex.nodes):
-            found = problems(node, spec.forbidden, ex.names)
+            found = problems(node, spec.forbidden, ex.names, outer)
             if found:
                 what = getattr(node, "name", None) or f"the statement at line {node.lineno}"
                 return f"{spec.task}: {what} " + "; ".join(found) + "."
@@ -257,7 +260,7 @@ def check_calls(release_nb, source_nb=None, seed: int = 0) -> tuple[dict[str, li
                     args = args[:-1]
                 keywords = {k.arg: _literal(k.value) for k in node.value.keywords}
                 for size in spec.sizes(None, keywords.get("world_size")):
-                    call_seed = (seed * 1000 + len(out)) if hidden else keywords.get("seed")
+                    call_seed = seed * 1000 + len(out)  # every call, visible ones too: weights no code can replay
                     out.append(Call(f"{gid}#{len(out)}", gid, module, name, tuple(args), size, call_seed, hidden))
         if not out:
             raise ValueError(f"graded cell {gid} holds no check call lablib can read (like check_x(fn, cluster))")

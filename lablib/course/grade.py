@@ -364,7 +364,7 @@ def write_gradebook(results: list[LabResult], out: Path):
 
 def write_report(labs: list[LabResult], folder: Path, course: Course):
     learner = labs[0].learner
-    lines = [f"# {learner}", "", f"Hidden checks drew their inputs from seed {course.seed}.", ""]
+    lines = [f"# {learner}", "", f"Checks drew their inputs from seed {course.seed}.", ""]
     for lab in labs:
         lines += [f"## {lab.lab}: {lab.points:g} / {lab.max_points:g} points", ""]
         lines += [f"Note: {n}" for n in lab.notes] + ([""] if lab.notes else [])
