@@ -50,7 +50,7 @@ def test_doctor_rejects_a_bad_rank_count():
 
 
 def _names(specs):
-    return {re.split(r"[<>=!\s\[]", s.strip(), maxsplit=1)[0].lower() for s in specs}
+    return {re.split(r"[<>=!\s\[;]", s.strip(), maxsplit=1)[0].lower() for s in specs}
 
 
 def test_environment_yml_matches_pyproject():
