@@ -115,6 +115,9 @@ def training_steps(steps: int, traced: bool, width: int = 512, layers: int = 4, 
 def _spawn_target(rank, world_size, port):
     import torch.distributed as dist
 
+    # torch 2.8's Gloo writes "[Gloo] Rank N is connected to ..." to fd 1 from C++; the anchor's ranks
+    # share our stdout, so their lines would land inside the table
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     trivial()
     dist.destroy_process_group()

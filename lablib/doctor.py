@@ -21,6 +21,24 @@ WHY = {
 }
 
 
+# The versions the whole test suite passed on (tests/compat.sh runs it with another Python and torch):
+# first and last, compared by major.minor. README.md's "Tested versions" says the same (a test holds the
+# two together), and the lower ends are pyproject.toml's minimums. `lablib doctor` warns outside them.
+TESTED = {"python": ("3.10", "3.13"), "torch": ("2.8", "2.15"), "jupyterlab": ("4.6", "4.6"),
+          "ipywidgets": ("8.1", "8.1")}
+WARN_UNTESTED = ("python", "torch")
+
+
+def untested(name: str, version: str) -> str | None:
+    """The warning for a ``name`` ``version`` outside TESTED, or None inside it."""
+    first, last = TESTED[name]
+    if _version_tuple(first) <= _version_tuple(version)[:2] <= _version_tuple(last):
+        return None
+    label = "Python" if name == "python" else name
+    return (f"warning: running {label} {version}, but the course was tested with {label} {first} to {last} "
+            f"(see README.md, Tested versions): it may still work")
+
+
 def requirements() -> list[tuple[str, str, str]]:
     """(distribution, minimum version, why) for each runtime dependency of lablib."""
     out = []
@@ -47,12 +65,20 @@ def _row(label, value, note=""):
     print(f"  {label:<12} {value}{('   ' + note) if note else ''}")
 
 
+def _warn_if_untested(name, version):
+    warning = untested(name, version)
+    if warning:
+        print(f"  {warning}")
+
+
 def environment(ranks: int = 2) -> list[str]:
     """Print versions, cores, GPUs and the backend ``auto`` picks; return the problems found."""
     problems = []
     _row("python", platform.python_version(), "ok" if sys.version_info >= (3, 10) else "needs >= 3.10")
     if sys.version_info < (3, 10):
         problems.append("Python 3.10 or newer is needed")
+    else:
+        _warn_if_untested("python", platform.python_version())
     for dist, minimum, why in requirements():
         try:
             version = md.version(dist)
@@ -64,6 +90,8 @@ def environment(ranks: int = 2) -> list[str]:
         _row(dist, version, "ok" if ok else f"needs >= {minimum} for {why}")
         if not ok:
             problems.append(f"{dist} {version} is too old: >= {minimum} is needed for {why}")
+        elif dist in WARN_UNTESTED:
+            _warn_if_untested(dist, version)
     _row("CPU cores", os.cpu_count())
     if any(p.startswith("torch ") for p in problems):
         return problems

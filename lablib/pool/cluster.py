@@ -45,7 +45,9 @@ from .job import LOST, Job, StopButton, cell_sources, print_output
 
 START_TIMEOUT = 120.0  # seconds for a new worker to import torch and say hello
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-_NOISE = ("USDT:",)    # C-level lines a rank prints that mean nothing to a learner (torch.profiler's start/stop)
+# C-level lines a rank prints that mean nothing to a learner: torch.profiler's start/stop; torch 2.8's Gloo
+# saying it connected ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number ...") for each new group
+_NOISE = ("USDT:", "[Gloo] Rank ")
 
 
 class _Worker:

@@ -89,6 +89,21 @@ class ZeRO3:
         return loss
 
 
+def sum_then_divide_on_gloo(model) -> None:
+    """On Gloo, make FSDP2 reduce-scatter gradients with SUM and divide by the world size itself.
+
+    FSDP2 asks for ``ReduceOp.AVG``, and torch 2.8's Gloo sums instead (it averages in 2.13 and 2.15),
+    so FSDP2 trained on gradients world-size times too large there. SUM is right on every release."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if dist.get_backend() != "gloo":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer()) -> dict:
     """PyTorch's FSDP2 on the same model, initial weights and batches (run inside ``cluster.run``).
 
@@ -106,6 +121,7 @@ def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = 
     for unit in model:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    sum_then_divide_on_gloo(model)
     opt = torch.optim.SGD(model.parameters(), lr=optimizer.lr, momentum=optimizer.momentum)
     for step in range(steps):
         opt.zero_grad()  # here, not after step(): the last step's gradients stay to be measured

@@ -31,6 +31,7 @@ from ..profiling import steps_begin, steps_end
 from ..timeline import RECORDER, RawSpan, _now, span
 from ..toy import batch, build_model, loss_fn
 from .flat import Unit, setup
+from .fsdp import sum_then_divide_on_gloo
 from .harness import Context, Optimizer, gather_full
 
 
@@ -304,6 +305,7 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
     for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    sum_then_divide_on_gloo(model)
     if depth:
         for i, unit in enumerate(units):
             unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + depth])
