@@ -256,7 +256,7 @@ def judge_attention(data, world_size, seed) -> str:
             worst = max(worst, _close(task, f"rank {r}'s {name}", g, want, ""))
         # DTensor's Q, K and V are three layers: against them, the thirds of the fused shard's gradient
         dtensor = max(dtensor, _dtensor(task, r, got, [got["grads"][0], *got["grads"][1].chunk(3), got["grads"][3]]))
-    return (f" on {world_size} ranks: {ref.HEADS // n} heads per rank; output and gradients match single-process "
+    return (f" on {world_size} ranks: {ref.HEADS // n} head{'s' if ref.HEADS // n > 1 else ''} per rank; output and gradients match single-process "
             f"attention (max error {worst:.1e}) and DTensor with Q, K, V ColwiseParallel and the projection "
             f"RowwiseParallel (max difference {dtensor:.1e})")
 

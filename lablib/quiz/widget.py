@@ -18,7 +18,8 @@ from .store import AnswerStore
 # Right-to-left layout for Arabic, applied by a class on the quiz's outer box.
 _STYLE = ("<style>.lablib-rtl, .lablib-rtl * {direction: rtl; text-align: right;} "
           ".lablib-rtl .widget-radio-box input {float: right; margin: 0 1px 0 8px;} "  # ipywidgets floats it left
-          ".lablib-quiz .widget-radio-box label, .lablib-quiz .widget-checkbox label {white-space: normal;}</style>")
+          ".lablib-quiz .widget-radio-box label, .lablib-quiz .widget-checkbox label {white-space: normal; height: auto; "
+          "min-height: var(--jp-widgets-inline-height);}</style>")  # a wrapped choice grows instead of overprinting
 
 
 def parse_number(text: str) -> float | None:
