@@ -337,18 +337,17 @@ def test_sequence_parallelism_saves_less_activation_memory_per_rank(cluster):
 
 
 def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
-    PASSED.discard("Task 4.2")
-    PASSED.discard("Task 4.3")
+    for task in ("Task 4.2", "Task 4.3", "Task 4.4"):
+        PASSED.discard(task)
     fns = yours(tp_mlp=tp_mlp, tp_attention=tp_attention)
-    assert fns.mlp is tp.mlp and fns.attention is tp.attention
-    PASSED.add("Task 4.2")
-    fns = yours(tp_mlp=tp_mlp, tp_attention=tp_attention)
-    assert fns.mlp is tp_mlp and fns.attention is tp.attention
-    assert "your functions of Task 4.2" in capsys.readouterr().out
+    assert fns.mlp is tp.mlp and fns.attention is tp.attention and fns.sp is tp.sp_feed_forward
+    PASSED.add("Task 4.4")
+    fns = yours(tp_mlp=tp_mlp, sp_feed_forward=sp_feed_forward)
+    assert fns.mlp is tp.mlp and fns.sp is sp_feed_forward
+    assert "your functions of Task 4.4 (lablib's for Task 4.2: not passed yet)" in capsys.readouterr().out
     with pytest.raises(TypeError):
         yours(mlp=tp_mlp)
-    PASSED.discard("Task 4.2")
-
+    PASSED.discard("Task 4.4")
 
 def test_the_link_model_of_the_tp_chart():
     from lablib.views.tensor_parallel import per_layer

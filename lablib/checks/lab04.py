@@ -311,19 +311,20 @@ check_sp = Check("Task 4.4", ("sp_feed_forward",), collect_sp, judge_sp, world_s
 
 
 # -- the notebook's measurements run the learner's functions once they have passed -----------------------
-_TASKS = {"tp_mlp": ("Task 4.2", "mlp"), "tp_attention": ("Task 4.3", "attention")}
+_TASKS = {"tp_mlp": ("Task 4.2", "mlp"), "tp_attention": ("Task 4.3", "attention"),
+          "sp_feed_forward": ("Task 4.4", "sp")}
 
 
 def yours(**fns) -> tp.Fns:
-    """The functions a measured block runs: the learner's where their task's check passed in this kernel,
+    """The functions a measurement runs: each of the learner's whose task's check passed in this kernel,
     lablib's for the others. Prints whose are used."""
     from . import PASSED
 
     unknown = set(fns) - set(_TASKS)
     if unknown:
         raise TypeError(f"yours() takes {', '.join(_TASKS)}; got {', '.join(sorted(unknown))}")
-    chosen = {attr: fns[k] if k in fns and task in PASSED else getattr(tp, attr) for k, (task, attr) in _TASKS.items()}
-    mine = [task for k, (task, attr) in _TASKS.items() if chosen[attr] is fns.get(k)]
-    print("Measuring " + (f"your functions of {', '.join(mine)}" if mine else "lablib's functions")
-          + (" (lablib's for the rest: not passed yet)" if mine and len(mine) < len(_TASKS) else ""))
-    return tp.Fns(**chosen)
+    mine = {k for k in fns if _TASKS[k][0] in PASSED}
+    waiting = sorted(_TASKS[k][0] for k in set(fns) - mine)
+    print("Measuring " + (f"your functions of {', '.join(sorted(_TASKS[k][0] for k in mine))}" if mine else
+                          "lablib's functions") + (f" (lablib's for {', '.join(waiting)}: not passed yet)" if waiting else ""))
+    return tp.Fns(**{_TASKS[k][1]: fns[k] for k in mine})

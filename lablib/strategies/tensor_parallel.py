@@ -151,8 +151,8 @@ def _rank():
 class Fns:
     """The functions a block runs: lablib's by default, or the learner's (``yours`` in lab 04's checks)."""
 
-    def __init__(self, mlp=mlp, attention=attention):
-        self.mlp, self.attention = mlp, attention
+    def __init__(self, mlp=mlp, attention=attention, sp=sp_feed_forward):
+        self.mlp, self.attention, self.sp = mlp, attention, sp
 
 
 WIDE = dict(d=256, heads=8, ffn=1024, batch=4, tokens=128)  # measured block: 4 x 128 tokens, width 256
@@ -233,19 +233,18 @@ def saved_bytes(fn, *args, params=()) -> int:
     return sum(seen.values())
 
 
-def activation_bytes(mode: str = "tp", fns=None, seed: int = 0) -> int:
+def activation_bytes(mode: str = "tp", fns: Fns = Fns(), seed: int = 0) -> int:
     """On this rank: the activation bytes the wide block's feed-forward sub-block saves for its backward,
-    tensor-parallel ("tp": LayerNorm and residual on the whole sequence) or with sequence parallelism
-    ("sp": on this rank's part); ``fns``: (mlp, sp_feed_forward), lablib's by default."""
+    tensor-parallel ("tp": LayerNorm and residual on the whole sequence, ``fns.mlp``) or with sequence
+    parallelism ("sp": on this rank's part, ``fns.sp``)."""
     r, n = _rank()
-    mlp_fn, sp_fn = fns or (mlp, sp_feed_forward)
     _, ff = wide_block(seed)
     x = torch.randn(WIDE["tokens"], WIDE["batch"], WIDE["d"], generator=torch.Generator().manual_seed(seed))
     weights = leaves(ff.ln.weight, ff.ln.bias, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
                      *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
     if mode == "sp":
-        return saved_bytes(sp_fn, leaves(x.chunk(n)[r])[0], *weights, params=weights)
+        return saved_bytes(fns.sp, leaves(x.chunk(n)[r])[0], *weights, params=weights)
     ln_w, ln_b, *fc = weights
     x = leaves(x)[0]
-    return saved_bytes(lambda: x + mlp_fn(F.layer_norm(x, x.shape[-1:], ln_w, ln_b), *fc), params=weights)
+    return saved_bytes(lambda: x + fns.mlp(F.layer_norm(x, x.shape[-1:], ln_w, ln_b), *fc), params=weights)
 
