@@ -348,24 +348,27 @@ def barrier(group=None, name="barrier"):
         dist.barrier(group)
 
 
-def _p2p(call, op, tensor, peer, group, name, async_op, meta):
+def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
     default = f"send to {peer}" if op == "send" else f"recv from {peer}"
-    return _traced(name or default, tensor.nbytes, async_op, lambda: call(tensor, peer, group), tensor, op,
+    if tag:
+        meta["tag"] = tag
+    return _traced(name or default, tensor.nbytes, async_op, lambda: call(tensor, peer, group, tag), tensor, op,
                    peer=peer, **meta)
 
 
-def send(tensor, dst, group=None, name=None, **meta):
-    """``meta`` (e.g. ``step=2, chunk=3``) is kept on the span and in the Chrome trace."""
-    return _p2p(dist.send, "send", tensor, dst, group, name, False, meta)
+def send(tensor, dst, group=None, name=None, tag=0, **meta):
+    """``tag``: a recv with the same tag matches it (messages between two ranks otherwise match in order).
+    ``meta`` (e.g. ``step=2, chunk=3``) is kept on the span and in the Chrome trace."""
+    return _p2p(dist.send, "send", tensor, dst, group, name, False, tag, meta)
 
 
-def recv(tensor, src, group=None, name=None, **meta):
-    return _p2p(dist.recv, "recv", tensor, src, group, name, False, meta)
+def recv(tensor, src, group=None, name=None, tag=0, **meta):
+    return _p2p(dist.recv, "recv", tensor, src, group, name, False, tag, meta)
 
 
-def isend(tensor, dst, group=None, name=None, **meta):
-    return _p2p(dist.isend, "send", tensor, dst, group, name, True, meta)
+def isend(tensor, dst, group=None, name=None, tag=0, **meta):
+    return _p2p(dist.isend, "send", tensor, dst, group, name, True, tag, meta)
 
 
-def irecv(tensor, src, group=None, name=None, **meta):
-    return _p2p(dist.irecv, "recv", tensor, src, group, name, True, meta)
+def irecv(tensor, src, group=None, name=None, tag=0, **meta):
+    return _p2p(dist.irecv, "recv", tensor, src, group, name, True, tag, meta)

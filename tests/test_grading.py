@@ -481,7 +481,7 @@ def test_the_course_itself(tmp_path):
             (tmp_path / "subs" / learner / path.name).write_bytes((folder / path.name).read_bytes())
     results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
-    assert len(checks) == 2 * 17
+    assert len(checks) == 2 * 21
     for (learner, item), it in checks.items():
         if learner == "solved":
             assert it.status == "passed", (item, it.detail)

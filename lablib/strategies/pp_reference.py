@@ -1,0 +1,125 @@
+"""Lab 05's references, on the ranks: PyTorch's own pipeline schedules (``torch.distributed.pipelining``:
+``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``) on the
+lab's model, the checks' job (an executor run on every schedule, its gradients returned beside
+PyTorch's), and the measured runs behind the notebook's timelines, bubble table and memory counts."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .pipeline import SCHEDULES, data, model, stages_of
+from .prefetch import start_recording
+
+# The check's model: 8 blocks of width 32, 4 micro-batches of 4 rows; its four schedules (name, v).
+WIDTH, ROWS, M = 32, 16, 4
+CHECKED = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "zb-h1": "ScheduleInterleavedZeroBubble"}
+# What the measurements run: real compute (width 512, micro-batches of 64 rows: a block's forward is a
+# millisecond or two on one core) or simulated (each block's F, B and W wait COST seconds).
+REAL = dict(width=768, rows_per_mb=128)
+COST = 0.002
+
+
+def _grads(stages) -> dict:
+    return {str(s): [p.grad.detach().clone() if p.grad is not None else None for b in st.blocks for p in b.parameters()]
+            for s, st in stages.items()}
+
+
+def _torch_schedule(name: str, m: int, v: int, seed: int, width: int, rows: int):
+    """PyTorch's schedule ``name`` (TORCH) on this rank's stages of the lab's model: (schedule, its
+    step's arguments, {stage: module})."""
+    from torch.distributed import pipelining
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    blocks = list(model(width, seed=seed))
+    xs, ys = data(width, rows, m, seed)
+    n = p * v
+    per = len(blocks) // n
+    mods = {s: nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in range(r, n, p)}
+    stages = [pipelining.PipelineStage(mods[s], s, n, torch.device("cpu")) for s in sorted(mods)]
+    cls = getattr(pipelining, TORCH[name])
+    single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+    schedule = cls(stages[0] if single else stages, m, loss_fn=F.mse_loss)
+    args = (torch.cat(xs),) if 0 in mods else ()
+    kwargs = {"target": torch.cat(ys)} if n - 1 in mods else {}
+    return schedule, args, kwargs, mods
+
+
+def torch_job(name: str, m: int, v: int, seed: int = 0) -> dict:
+    """PyTorch's schedule ``name`` on the check's model: this rank's stages' gradients, and the actions
+    PyTorch planned for this rank, where it plans them ("0F1": stage 0, forward, micro-batch 1)."""
+    schedule, args, kwargs, mods = _torch_schedule(name, m, v, seed, WIDTH, ROWS)
+    schedule.step(*args, **kwargs)
+    order = getattr(schedule, "pipeline_order", {}).get(dist.get_rank())
+    return {"grads": {str(s): [q.grad.detach().clone() for q in mods[s].parameters()] for s in mods},
+            "order": [str(a) for a in order if a is not None] if order else None}
+
+
+def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
+    """The checks' job: the learner's executor on each CHECKED schedule (lablib's schedules), and with
+    ``compare`` PyTorch's schedule of the same name on the same model. Per schedule: this rank's stages'
+    gradients, the messages it sent and received ("send F2 to 1 tag 8 512": what, peer, tag, bytes),
+    and PyTorch's gradients."""
+    from . import tp_reference
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name, v in CHECKED:
+        blocks = list(model(WIDTH, seed=seed or 0))
+        xs, ys = data(WIDTH, ROWS, M, seed or 0)
+        stages = stages_of(r, p, v, blocks, xs, ys)
+        _, ops = tp_reference.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r])
+        left = [f"stage {s} holds micro-batch {mb}" for s, st in stages.items() for mb in st._held]
+        out[name] = {"grads": _grads(stages), "ops": ops, "left": left,
+                     "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}
+    return out
+
+
+def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = None, repeats: int = 3) -> dict:
+    """``repeats`` measured steps of ``schedule_fn(p, m, v)`` with ``execute_fn``, after a warm-up step; the
+    timeline records the last. Real compute (REAL) or, with ``cost``, simulated. Returns per step its
+    seconds and this rank's busy seconds (in F, B and W), and the peak bytes of activations this rank
+    held and one micro-batch's."""
+    r, p = dist.get_rank(), dist.get_world_size()
+    width, rows = (32, 4) if cost else (REAL["width"], REAL["rows_per_mb"])
+    blocks = list(model(width))
+    xs, ys = data(width, rows * m, m)
+    plan = schedule_fn(p, m, v)[r]
+    seconds, busy, stages = [], [], None
+    for i in range(repeats + 1):
+        if i == repeats:
+            start_recording()
+        else:
+            dist.barrier()
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        stages = stages_of(r, p, v, blocks, xs, ys, cost)
+        t0 = time.perf_counter()
+        execute_fn(stages, plan)
+        dist.barrier()
+        if i:
+            seconds.append(time.perf_counter() - t0)
+            busy.append(sum(st.busy for st in stages.values()))
+    return {"seconds": seconds, "busy": busy, "peak": max(st.peak for st in stages.values()),
+            "per_mb": max(st.per_mb for st in stages.values())}
+
+
+def torch_step_job(name: str, m: int, v: int = 1, repeats: int = 3) -> list:
+    """PyTorch's schedule on the REAL model: the seconds of ``repeats`` steps after a warm-up."""
+    schedule, args, kwargs, mods = _torch_schedule(name, m, v, 0, REAL["width"], REAL["rows_per_mb"] * m)
+    out = []
+    for i in range(repeats + 1):
+        for mod in mods.values():
+            mod.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        schedule.step(*args, **kwargs)
+        dist.barrier()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out

@@ -1,0 +1,379 @@
+"""Lab 05 (pipeline bubbles): lablib's schedules against the papers' bubbles and memory, the validator's
+rules, the Stage's split backward and its activation count, the executor against one process and
+torch.distributed.pipelining, the measured breakdown; Tasks 5.1-5.4's checks on right answers and
+typical mistakes."""
+import ast
+
+import pytest
+import torch
+
+import lablib
+from lablib.checks import PASSED, CheckFailed
+from lablib.checks.lab05 import (_bank, check_advanced, check_execute, check_simple, check_validate, judge_execute,
+                                 yours)
+from lablib.strategies import pipeline as pp
+from lablib.strategies import pp_reference as ref
+
+
+# -- a learner's answers (defined here: checks refuse lablib's own functions) ------------------------------
+def gpipe(p, m):
+    return [[("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)] for r in range(p)]
+
+
+def one_f_one_b(p, m):
+    out = []
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        acts = [("F", i, r) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [("F", warm + i, r), ("B", i, r)]
+        out.append(acts + [("B", i, r) for i in range(m - warm, m)])
+    return out
+
+
+def interleaved(p, m, v):
+    def action(kind, k, r, stage_of):
+        return (kind, (k // (p * v)) * p + k % p, r + p * stage_of(k))
+
+    out = []
+    for r in range(p):
+        warm = min(2 * (p - 1 - r) + (v - 1) * p, v * m)
+        fwd = [action("F", k, r, lambda k: (k // p) % v) for k in range(v * m)]
+        bwd = [action("B", k, r, lambda k: v - 1 - (k // p) % v) for k in range(v * m)]
+        acts = fwd[:warm]
+        for k in range(v * m - warm):
+            acts += [fwd[warm + k], bwd[k]]
+        out.append(acts + bwd[v * m - warm:])
+    return out
+
+
+def zb_h1(p, m):
+    out = []
+    for r, row in enumerate(one_f_one_b(p, m)):
+        acts, backs = [], 0
+        for a in row:
+            acts.append(a)
+            if a[0] == "B":
+                if backs >= r:
+                    acts.append(("W", backs - r, r))
+                backs += 1
+        out.append(acts + [("W", i, r) for i in range(max(0, m - r), m)])
+    return out
+
+
+def validate(schedule, m, v=1):
+    p, stages = len(schedule), len(schedule) * v
+    for r, row in enumerate(schedule):
+        for i, (kind, mb, s) in enumerate(row):
+            if not 0 <= s < stages or s % p != r or not 0 <= mb < m:
+                return (r, i, "not on this rank")
+    seen = set()
+    for r, row in enumerate(schedule):
+        for i, a in enumerate(row):
+            if a in seen:
+                return (r, i, "twice")
+            seen.add(a)
+    kinds = "FBW" if any(a[0] == "W" for row in schedule for a in row) else "FB"
+    for r in range(p):
+        for s in range(r, stages, p):
+            for mb in range(m):
+                for kind in kinds:
+                    if (kind, mb, s) not in seen:
+                        return (r, len(schedule[r]), "missing")
+
+    def needs(kind, mb, s):
+        if kind == "F":
+            return [("F", mb, s - 1)] if s > 0 else []
+        if kind == "B":
+            return [("F", mb, s)] + ([("B", mb, s + 1)] if s < stages - 1 else [])
+        return [("B", mb, s)]
+
+    done, pos, moved = set(), [0] * p, True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(schedule[r]) and all(n in done for n in needs(*schedule[r][pos[r]])):
+                done.add(schedule[r][pos[r]])
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(p) if pos[r] < len(schedule[r])]
+    return (stuck[0], pos[stuck[0]], "deadlock") if stuck else None
+
+
+def execute(stages, actions):
+    _execute(stages, actions, 0)
+
+
+def _execute(stages, actions, grad_tag_off):
+    """The executor; ``grad_tag_off``: receive each gradient under the tag of a stage that many further on."""
+    n = torch.distributed.get_world_size()
+    split = any(kind == "W" for kind, _, _ in actions)
+    sends = []
+    for kind, mb, s in actions:
+        stage = stages[s]
+        if kind == "F":
+            x = None
+            if not stage.first:
+                x = stage.buffer()
+                lablib.irecv(x, (s - 1) % n, tag=4 * (1000 * mb + s)).wait()
+            y = stage.forward(mb, x)
+            if not stage.last:
+                sends.append(lablib.isend(y, (s + 1) % n, tag=4 * (1000 * mb + s + 1)))
+        elif kind == "B":
+            grad = None
+            if not stage.last:
+                grad = stage.buffer()
+                lablib.irecv(grad, (s + 1) % n, tag=4 * (1000 * mb + s + grad_tag_off) + 1).wait()
+            gx = stage.backward(mb, grad, weights=not split)
+            if not stage.first:
+                sends.append(lablib.isend(gx, (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
+        else:
+            stage.backward_weight(mb)
+    for work in sends:
+        work.wait()
+
+
+# -- typical mistakes ---------------------------------------------------------------------------------------
+def one_f_one_b_too_warm(p, m):
+    out = []
+    for r in range(p):
+        warm = min(p - r, m)
+        acts = [("F", i, r) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [("F", warm + i, r), ("B", i, r)]
+        out.append(acts + [("B", i, r) for i in range(m - warm, m)])
+    return out
+
+
+def gpipe_interleaving(p, m):
+    return [[a for i in range(m) for a in (("F", i, r), ("B", i, r))] for r in range(p)]
+
+
+def zb_w_at_once(p, m):
+    out = []
+    for row in one_f_one_b(p, m):
+        acts = []
+        for a in row:
+            acts.append(a)
+            if a[0] == "B":
+                acts.append(("W", a[1], a[2]))
+        out.append(acts)
+    return out
+
+
+def interleaved_blocks(p, m, v):
+    # stages in contiguous blocks per rank (rank r holds r*v .. r*v+v-1): not where stage s lives
+    return [[(k, mb, r * v + (s - r) // p) for k, mb, s in row] for r, row in enumerate(interleaved(p, m, v))]
+
+
+def validate_always_fine(schedule, m, v=1):
+    return None
+
+
+def execute_wrong_tag(stages, actions):
+    """Receives each gradient under the tag of the stage after: its send never comes."""
+    _execute(stages, actions, 1)
+
+
+def execute_full_backward(stages, actions):
+    """Ignores W: every B computes the weights' gradient too, then W finds nothing to do."""
+    execute(stages, [a for a in actions if a[0] != "W"])
+    for kind, mb, s in actions:
+        if kind == "W":
+            stages[s].backward_weight(mb)
+
+
+def not_done(*args):
+    raise NotImplementedError("Task 5.x")
+
+
+# -- lablib's schedules ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
+def test_lablibs_schedules_leave_the_papers_bubble_and_hold_the_papers_memory(p, m):
+    unit = {"F": 1, "BW": 2, "B": 1, "W": 1}
+    for name in ("gpipe", "1f1b"):
+        acts = pp.SCHEDULES[name](p, m)
+        assert pp.validate(acts, m) is None
+        assert pp.bubble(pp.simulate(acts, unit)) == pytest.approx(pp.theory(name, p, m))
+    assert pp.in_flight(pp.gpipe(p, m)) == [m] * p
+    assert pp.in_flight(pp.one_f_one_b(p, m)) == [min(m, p - r) for r in range(p)]
+    zb = pp.zb_h1(p, m)
+    assert pp.validate(zb, m) is None and max(pp.in_flight(zb)) <= p
+    if m >= p:  # the paper's formula assumes the pipeline fills
+        assert pp.bubble(pp.simulate(zb, unit)) == pytest.approx(pp.theory("zb-h1", p, m))
+        assert pp.bubble(pp.simulate(zb, unit)) < pp.theory("1f1b", p, m)
+    if m % p == 0:
+        for v in (2, 3):
+            acts = pp.interleaved(p, m, v)
+            assert pp.validate(acts, m, v) is None
+            times = {k: t / v for k, t in unit.items()}
+            assert pp.bubble(pp.simulate(acts, times, v)) == pytest.approx(pp.theory("interleaved", p, m, v))
+
+
+def test_the_validator_names_the_first_action_that_cannot_run():
+    want = {"stage 0's forward listed on rank 1": (1, 1), "a backward listed twice": (0, 4),
+            "a backward missing": (1, 3), "a deadlock: each rank waits for the other": (0, 1),
+            "a backward before its own forward": (0, 2), "a W before its B": (0, 2),
+            "a micro-batch out of range": (0, 1)}
+    for schedule, m, v, what in _bank():
+        problem = pp.validate(schedule, m, v)
+        if what in want:
+            assert problem is not None and (problem.rank, problem.index) == want[what], (what, problem)
+            assert problem.reason
+        else:
+            assert problem is None, (what, problem)
+    deadlock = _bank()[7][0]
+    assert "can never start: it needs B0 of stage 1" in pp.validate(deadlock, 2).reason
+    with pytest.raises(ValueError, match=r"the schedule\[0\]\[1\] is 'F0'"):
+        pp.validate([[("F", 0, 0), "F0"]], 1)
+
+
+def test_interleaved_needs_groups_of_p():
+    with pytest.raises(ValueError, match="does not divide by p"):
+        pp.interleaved(4, 6, 2)
+
+
+# -- the Stage ------------------------------------------------------------------------------------------------------
+def test_a_split_backward_gives_the_full_backwards_gradients_and_memory_is_counted():
+    blocks = list(pp.model(seed=3))
+    xs, ys = pp.data(32, 8, 2, seed=3)
+    whole = pp.Stage(blocks, 0, 1, xs, ys)
+    for mb in range(2):
+        whole.forward(mb)
+    assert whole.live == 2 * whole.per_mb > 0
+    for mb in range(2):
+        whole.backward(mb)
+    assert whole.live == 0 and whole.peak == 2 * whole.per_mb
+    full = [p.grad.clone() for b in blocks for p in b.parameters()]
+    for b in blocks:
+        b.zero_grad(set_to_none=True)
+    split = pp.Stage(blocks, 0, 1, xs, ys)
+    for mb in range(2):
+        split.forward(mb)
+        split.backward(mb, weights=False)
+        assert all(p.grad is None for b in blocks for p in b.parameters())  # B leaves the weights to W
+        assert 0 < split.live < split.per_mb * (mb + 1)                     # what W needs, less than the forward's
+    for mb in range(2):
+        split.backward_weight(mb)
+    assert split.live == 0
+    assert max((p.grad - f).abs().max().item() for p, f in zip((p for b in blocks for p in b.parameters()), full)) < 1e-6
+    with pytest.raises(ValueError, match="before its B"):
+        split.backward_weight(0)
+    mid = pp.Stage(blocks[:4], 1, 2, xs, ys)
+    with pytest.raises(ValueError, match="needs the activations received from stage 0"):
+        mid.forward(0)
+
+
+# -- on the ranks ---------------------------------------------------------------------------------------------------
+def test_lablibs_executor_matches_one_process_and_torch_pipelining(cluster):
+    text = judge_execute(cluster.run(ref.execute_job, pp.execute, None, True), cluster.world_size, None)
+    assert "torch.distributed.pipelining" in text
+    diff = float(text.split("max difference ")[1].split(")")[0])
+    assert 0 <= diff <= 1e-5
+
+
+def test_right_answers_pass_every_check(cluster, capsys):
+    if cluster.world_size != 2:
+        pytest.skip("the executor's check runs at 2 and 4 ranks: once is enough")
+    check_simple(gpipe, one_f_one_b)
+    check_advanced(interleaved, zb_h1)
+    check_validate(validate)
+    check_execute(execute, cluster)
+    for seed in (1, 2):
+        check_simple(gpipe, one_f_one_b, seed=seed)
+        check_advanced(interleaved, zb_h1, seed=seed)
+        check_validate(validate, seed=seed)
+    out = capsys.readouterr().out
+    assert "✓ Task 5.4 passed on 2 ranks" in out and "✓ Task 5.4 passed on 4 ranks" in out
+    assert {"Task 5.1", "Task 5.2", "Task 5.3", "Task 5.4"} <= PASSED
+
+
+@pytest.mark.parametrize("check, fns, message", [
+    (check_simple, (gpipe, one_f_one_b_too_warm), r"one_f_one_b\(2, 4\) holds 3 micro-batches' activations on rank 0"),
+    (check_simple, (gpipe_interleaving, one_f_one_b), "runs a forward after a backward"),
+    (check_advanced, (interleaved, zb_w_at_once), r"leaves a bubble of 0\.\d+ of the step; ZB-H1"),
+    (check_advanced, (interleaved_blocks, zb_h1), r"cannot run: F0 of stage 1 is not on rank 0"),
+    (check_advanced, (interleaved, one_f_one_b), "has no W actions"),
+    (check_validate, (validate_always_fine,), "validate returned None for stage 0's forward listed on rank 1"),
+    (check_simple, (not_done, one_f_one_b), "Task 5.1 is not done yet"),
+])
+def test_mistakes_are_named(check, fns, message):
+    with pytest.raises(CheckFailed, match=message):
+        check(*fns)
+
+
+def test_executor_mistakes_are_named(fragile):
+    if fragile.world_size != 2:
+        pytest.skip("one world size is enough")
+    with pytest.raises(CheckFailed, match="waited for a message that never came"):
+        check_execute(execute_wrong_tag, fragile, world_size=2, seed=1)
+    with pytest.raises(CheckFailed, match="with W actions in the schedule, B must be"):
+        check_execute(execute_full_backward, fragile, world_size=2, seed=1)
+
+
+def test_library_shortcuts_are_refused():
+    def execute_with_dist(stages, actions):
+        torch.distributed.send(stages[0].buffer(), 1)
+
+    def execute_with_torch(stages, actions):
+        return torch.distributed.pipelining.ScheduleGPipe(stages, 1)
+
+    for fn, why in ((execute_with_dist, "lablib.isend"), (execute_with_torch, "pipelining is what the lab compares")):
+        with pytest.raises(CheckFailed, match=why):
+            check_execute(fn, world_size=2, seed=1)
+    with pytest.raises(CheckFailed, match="lablib's own"):
+        check_simple(pp.gpipe, one_f_one_b)
+
+
+def test_hidden_checks_draw_other_schedules_and_weights(cluster):
+    a, b = (cluster.run(ref.execute_job, pp.execute, seed, False)[0]["1f1b"]["grads"]["0"][0] for seed in (None, 5))
+    assert (a - b).abs().max() > 1e-3
+    with pytest.raises(CheckFailed):  # judged against another seed's reference, the same gradients fail
+        judge_execute(cluster.run(ref.execute_job, pp.execute, 5, False), cluster.world_size, None)
+
+
+# -- what the notebook measures ------------------------------------------------------------------------------------
+def test_a_measured_run_splits_its_step_and_draws_its_messages(cluster):
+    from lablib.views import pipeline as view
+
+    fns = yours()
+    run = view.measure(cluster, fns, "1f1b", 4, cost=0.002, repeats=1)
+    assert run["step"] > 0 and run["busy"] + run["bubble"] + run["overhead"] == pytest.approx(1)
+    assert 0 < run["bubble"] < 1 and run["busy"] > 0.3
+    p = cluster.world_size
+    assert [b / run["per_mb"] for b in run["peak"]] == [min(4, p - r) for r in range(p)]
+    tl = run["timeline"]
+    labels = {s.meta.get("label") for s in tl.spans if s.kind == "compute"}
+    assert {"F0", "F3", "B0", "B3"} <= labels
+    assert len(tl.messages()) == 2 * 4 * (p - 1)  # each micro-batch's activation and gradient across p-1 boundaries
+    for send, recv in tl.messages():
+        assert send.meta["tag"] == recv.meta["tag"] and recv.rank == send.meta["peer"]
+    assert view.plan_figure(pp.zb_h1(p, 4)).data and view.timelines([run, run]).data
+    assert "1F1B" in view.table([run])
+
+
+def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
+    for task in ("Task 5.1", "Task 5.2", "Task 5.3", "Task 5.4"):
+        PASSED.discard(task)
+    fns = yours(gpipe=gpipe, execute=execute)
+    assert fns["execute"] is pp.execute and fns["gpipe"](2, 2) == pp.gpipe(2, 2)
+    PASSED.add("Task 5.4")
+    fns = yours(gpipe=gpipe, execute=execute)
+    assert fns["execute"] is execute
+    assert "your functions of Task 5.4 (lablib's for Task 5.1: not passed yet)" in capsys.readouterr().out
+    with pytest.raises(TypeError):
+        yours(one_f_one_b_=one_f_one_b)
+    PASSED.discard("Task 5.4")
+
+
+@pytest.mark.parametrize("source, found", [
+    ("def f(s, a):\n    torch.distributed.isend(s, 1)", "uses dist.isend"),
+    ("def f(s, a):\n    dist.batch_isend_irecv([])", "uses dist.batch_isend_irecv"),
+    ("from torch.distributed import pipelining as P\ndef f(s, a):\n    P.ScheduleGPipe(s, 1)", "pipelining"),
+])
+def test_ways_around_the_traced_messages_are_refused(source, found):
+    from lablib.checks.lab05 import FORBIDDEN
+    from lablib.checks.policy import problems
+
+    assert any(found in p for p in problems(ast.parse(source), FORBIDDEN)), problems(ast.parse(source), FORBIDDEN)
