@@ -3,6 +3,8 @@ rules, the Stage's split backward and its activation count, the executor against
 torch.distributed.pipelining, the measured breakdown; Tasks 5.1-5.4's checks on right answers and
 typical mistakes."""
 import ast
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -291,7 +293,7 @@ def test_right_answers_pass_every_check(cluster, capsys):
 
 @pytest.mark.parametrize("check, fns, message", [
     (check_simple, (gpipe, one_f_one_b_too_warm), r"one_f_one_b\(2, 4\) holds 3 micro-batches' activations on rank 0"),
-    (check_simple, (gpipe_interleaving, one_f_one_b), "runs a forward after a backward"),
+    (check_simple, (gpipe_interleaving, one_f_one_b), r"gpipe\(2, 4\) on rank 0 runs F0 B0 F1 B1"),
     (check_advanced, (interleaved, zb_w_at_once), r"leaves a bubble of 0\.\d+ of the step; ZB-H1"),
     (check_advanced, (interleaved_blocks, zb_h1), r"cannot run: F0 of stage 1 is not on rank 0"),
     (check_advanced, (interleaved, one_f_one_b), "has no W actions"),
@@ -377,3 +379,76 @@ def test_ways_around_the_traced_messages_are_refused(source, found):
     from lablib.checks.policy import problems
 
     assert any(found in p for p in problems(ast.parse(source), FORBIDDEN)), problems(ast.parse(source), FORBIDDEN)
+
+
+# -- what a red team found ------------------------------------------------------------------------------------------
+def execute_hiding_the_stages(stages, actions):
+    """Moves empty messages of the right size, computes nothing, and hides the stages from the check."""
+    n = torch.distributed.get_world_size()
+    works = []
+    for kind, mb, s in actions:
+        st = stages[s]
+        if kind == "F" and not st.first:
+            lablib.irecv(st.buffer(), (s - 1) % n, tag=4 * (1000 * mb + s)).wait()
+        if kind == "F" and not st.last:
+            works.append(lablib.isend(st.buffer(), (s + 1) % n, tag=4 * (1000 * mb + s + 1)))
+        if kind == "B" and not st.last:
+            lablib.irecv(st.buffer(), (s + 1) % n, tag=4 * (1000 * mb + s) + 1).wait()
+        if kind == "B" and not st.first:
+            works.append(lablib.isend(st.buffer(), (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
+    for w in works:
+        w.wait()
+    stages.clear()
+
+
+def gpipe_as_1f1b_with_ws(p, m):
+    return [[a for b in row for a in ((b, ("W", b[1], b[2])) if b[0] == "B" else (b,))] for row in one_f_one_b(p, m)]
+
+
+def validate_sloppy(schedule, m, v=1):
+    """One stage per rank assumed, micro-batches never range-checked: right on the plain schedules only."""
+    return validate(schedule, 10 ** 6, 1) if v == 1 else None
+
+
+def test_the_check_holds_its_own_references_to_the_stages(cluster):
+    if cluster.world_size != 2:
+        pytest.skip("one world size is enough")
+    with pytest.raises(CheckFailed, match=r"stage 0 \(rank 0\) has no gradient for its parameter 0"):
+        check_execute(execute_hiding_the_stages, cluster, world_size=2, seed=1)
+
+
+def test_a_judge_trusts_no_count_of_cases_from_the_box():
+    from lablib.checks.lab05 import judge_advanced, judge_simple, judge_validate
+
+    for judge in (judge_simple, judge_advanced, judge_validate):
+        for seed in (None, 3):
+            with pytest.raises(CheckFailed, match="not those of the"):
+                judge([], None, seed)
+
+
+def test_gpipe_is_all_forwards_then_all_backwards_and_hidden_validators_meet_interleaving():
+    with pytest.raises(CheckFailed, match="GPipe runs every micro-batch's forward, then the backwards"):
+        check_simple(gpipe_as_1f1b_with_ws, one_f_one_b)
+    with pytest.raises(CheckFailed, match="Task 5.3"):
+        check_validate(validate_sloppy, seed=1)
+
+
+def test_exercise_code_can_make_tensors_in_a_fresh_grading_namespace():
+    code = ("from lablib.course.runner import namespace\nns = namespace()\n"
+            "exec(compile('x = torch.tensor([1, 2]).sum().item()', 'cell', 'exec'), ns)\nprint(ns['x'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr
+
+
+@pytest.mark.parametrize("source", [
+    "def f(x):\n    x.numpy().tofile('results.jsonl')",
+    "def f(x):\n    return torch.from_file('request.json', size=10)",
+    "def f(x):\n    return torch.UntypedStorage.from_file('request.json', False, 10)",
+    "def f(x):\n    torch.profiler.profile().export_chrome_trace('x')",
+    "def f(t):\n    t.save_chrome_trace('results.jsonl')",
+])
+def test_files_stay_out_of_reach_of_exercise_code(source):
+    from lablib.checks.lab05 import FORBIDDEN
+    from lablib.checks.policy import problems
+
+    assert problems(ast.parse(source), FORBIDDEN), source

@@ -58,9 +58,20 @@ def _cases(seed, fixed, draw):
 _CASES_51 = [(2, 4), (4, 4), (4, 8), (4, 2), (3, 5)]
 
 
+def _simple_cases(seed):
+    return _cases(seed, _CASES_51, lambda rng: (rng.randint(2, 5), rng.randint(1, 9)))
+
+
+def _same_cases(task, data, cases, keys):
+    """The data holds exactly the cases the seed draws (the judge trusts no count or size from the box)."""
+    if not isinstance(data, list) or [tuple(c.get(k) for k in keys) if isinstance(c, dict) else None
+                                      for c in data] != [tuple(c) for c in cases]:
+        raise CheckFailed(f"{task}: the results are not those of the cases the check ran.")
+
+
 def collect_simple(fns, pool, seed):
     gpipe, one_f_one_b = fns
-    cases = _cases(seed, _CASES_51, lambda rng: (rng.randint(2, 5), rng.randint(1, 9)))
+    cases = _simple_cases(seed)
     return [{"p": p, "m": m,
              "gpipe": call_local("Task 5.1", gpipe, f"{p}, {m}", "It returns per rank a list of (kind, mb, stage).", p, m),
              "1f1b": call_local("Task 5.1", one_f_one_b, f"{p}, {m}", "It returns per rank a list of (kind, mb, stage).",
@@ -69,16 +80,18 @@ def collect_simple(fns, pool, seed):
 
 def judge_simple(data, world_size, seed) -> str:
     task = "Task 5.1"
+    _same_cases(task, data, _simple_cases(seed), ("p", "m"))
     for case in data:
         p, m = case["p"], case["m"]
         acts = _schedule(task, "gpipe", case["gpipe"], p, m)
         for r, row in enumerate(acts):
-            kinds = "".join(a.kind for a in row)
-            if "BF" in kinds:
-                raise CheckFailed(f"{task}: gpipe({p}, {m}) on rank {r} runs a forward after a backward. GPipe runs every "
-                                  "micro-batch's forward, then the backwards.")
+            if "".join(a.kind for a in row) != "F" * m + "B" * m:
+                raise CheckFailed(f"{task}: gpipe({p}, {m}) on rank {r} runs " + " ".join(f"{a.kind}{a.mb}" for a in row)
+                                  + ". GPipe runs every micro-batch's forward, then the backwards (no W).")
         _bubble(task, f"gpipe({p}, {m})", acts, p, m, 1, pp.theory("gpipe", p, m), "GPipe, (p-1)/(m+p-1),")
         acts = _schedule(task, "one_f_one_b", case["1f1b"], p, m)
+        if any(a.kind == "W" for row in acts for a in row):
+            raise CheckFailed(f"{task}: one_f_one_b({p}, {m}) has W actions; 1F1B's backward is one B.")
         held = pp.in_flight(acts)
         for r in range(p):
             if held[r] > min(m, p - r):
@@ -100,20 +113,22 @@ check_simple = Check("Task 5.1", ("gpipe", "one_f_one_b"), collect_simple, judge
 _CASES_52 = [(2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 4, 2)]
 
 
+def _draw_advanced(rng):
+    p = rng.randint(2, 4)
+    return p, p * rng.randint(1, 3), rng.randint(2, 3)
+
+
 def collect_advanced(fns, pool, seed):
     interleaved, zb_h1 = fns
-
-    def draw(rng):
-        p = rng.randint(2, 4)
-        return p, p * rng.randint(1, 3), rng.randint(2, 3)
     hint = "It returns per rank a list of (kind, mb, stage)."
     return [{"p": p, "m": m, "v": v,
              "interleaved": call_local("Task 5.2", interleaved, f"{p}, {m}, {v}", hint, p, m, v),
-             "zb": call_local("Task 5.2", zb_h1, f"{p}, {m}", hint, p, m)} for p, m, v in _cases(seed, _CASES_52, draw)]
+             "zb": call_local("Task 5.2", zb_h1, f"{p}, {m}", hint, p, m)} for p, m, v in _cases(seed, _CASES_52, _draw_advanced)]
 
 
 def judge_advanced(data, world_size, seed) -> str:
     task = "Task 5.2"
+    _same_cases(task, data, _cases(seed, _CASES_52, _draw_advanced), ("p", "m", "v"))
     for case in data:
         p, m, v = case["p"], case["m"], case["v"]
         acts = _schedule(task, "interleaved", case["interleaved"], p, m, v)
@@ -152,11 +167,12 @@ check_advanced = Check("Task 5.2", ("interleaved", "zb_h1"), collect_advanced, j
 # -- Task 5.3: the validator ----------------------------------------------------------------------------------
 def _broken(rng: random.Random):
     """A schedule with something wrong, or right: (schedule, m, v)."""
-    p, m = rng.randint(2, 4), rng.randint(2, 5)
-    name = rng.choice(["gpipe", "1f1b", "zb-h1"])
-    rows = [list(map(list, row)) for row in pp.SCHEDULES[name](p, m)]
+    name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved"])
+    p, v = rng.randint(2, 4), rng.randint(2, 3) if name == "interleaved" else 1
+    m = p * rng.randint(1, 2) if name == "interleaved" else rng.randint(2, 5)
+    rows = [list(map(list, row)) for row in pp.SCHEDULES[name](p, m, v)]
     r = rng.randrange(p)
-    what = rng.randrange(5)
+    what = rng.randrange(7)
     i, j = sorted(rng.sample(range(len(rows[r])), 2))
     if what == 0:
         rows[r][i], rows[r][j] = rows[r][j], rows[r][i]      # two actions swapped
@@ -165,8 +181,17 @@ def _broken(rng: random.Random):
     elif what == 2:
         rows[r].insert(j, list(rows[r][i]))                 # one twice
     elif what == 3:
-        rows[r][i][2] = (rows[r][i][2] + 1) % p             # on the wrong rank
-    return rows, m, 1
+        rows[r][i][2] = (rows[r][i][2] + 1) % (p * v)       # on the wrong rank
+    elif what == 4:
+        rows[r][i][1] = m                                   # a micro-batch out of range
+    elif what == 5:
+        rows[r][i][2] += p * v                              # a stage out of range
+    return rows, m, v
+
+
+def _validate_cases(seed):
+    return ([(s, m, v) for s, m, v, _ in _bank()] if seed is None else
+            [_broken(random.Random(seed * 100 + k)) for k in range(16)])
 
 
 def _bank():
@@ -192,29 +217,29 @@ def _bank():
 
 def collect_validate(fns, pool, seed):
     (validate,) = fns
-    cases = [(s, m, v) for s, m, v, _ in _bank()] if seed is None else [_broken(random.Random(seed * 100 + k))
-                                                                         for k in range(12)]
     out = []
-    for schedule, m, v in cases:
+    for schedule, m, v in _validate_cases(seed):
         rows = [[list(a) for a in row] for row in schedule]
         got = call_local("Task 5.3", validate, f"schedule, {m}, {v}", "It returns None or (rank, index, reason).",
                          [[tuple(a) for a in row] for row in rows], m, v)
-        out.append({"schedule": rows, "m": m, "v": v, "got": list(got) if isinstance(got, tuple) else got})
+        out.append(list(got) if isinstance(got, tuple) else got)
     return out
 
 
 def judge_validate(data, world_size, seed) -> str:
     task = "Task 5.3"
     names = {i: what for i, (*_, what) in enumerate(_bank())} if seed is None else {}
-    for i, case in enumerate(data):
-        want = pp.validate(case["schedule"], case["m"], case["v"])
-        got = case["got"]
+    cases = _validate_cases(seed)
+    if not isinstance(data, list) or len(data) != len(cases):
+        raise CheckFailed(f"{task}: the results are not those of the {len(cases)} schedules the check ran.")
+    for i, ((schedule, m, v), got) in enumerate(zip(cases, data)):
+        want = pp.validate(schedule, m, v)
         what = names.get(i, "this schedule")
-        show = "\n".join(f"  rank {r}: " + " ".join(f"{k}{mb}s{s}" for k, mb, s in row) for r, row in enumerate(case["schedule"]))
+        show = "\n".join(f"  rank {r}: " + " ".join(f"{k}{mb}/{s}" for k, mb, s in row) for r, row in enumerate(schedule))
         if want is None:
             if got is not None:
                 raise CheckFailed(f"{task}: validate found a problem, {got!r}, in {what}, which runs to the end (m = "
-                                  f"{case['m']}, v = {case['v']}; FmbSstage):\n{show}")
+                                  f"{m}, v = {v}; each action as kind, micro-batch/stage):\n{show}")
             continue
         if got is None:
             raise CheckFailed(f"{task}: validate returned None for {what}; expected rank {want.rank}'s action "
@@ -286,9 +311,15 @@ def judge_execute(data, world_size, seed) -> str:
             if any(int(o[-1]) != act_bytes for o in ops):
                 raise CheckFailed(f"{task}: on {name}, rank {r} sent or received a message of another size than one "
                                   f"micro-batch's activations ({act_bytes} bytes).")
+            if sorted(res["grads"]) != sorted(str(s) for s in range(r, n, p)):
+                raise CheckFailed(f"{task}: on {name}, rank {r} returned the gradients of stages "
+                                  f"{', '.join(sorted(res['grads']))}; it holds {', '.join(str(s) for s in range(r, n, p))}.")
             for s, grads in res["grads"].items():
                 s = int(s)
                 want = [g for b in blocks[s * per:(s + 1) * per] for g in b]
+                if len(grads) != len(want):
+                    raise CheckFailed(f"{task}: on {name}, stage {s} returned {len(grads)} gradients; it has {len(want)} "
+                                      "parameters.")
                 for k, (g, w) in enumerate(zip(grads, want)):
                     if g is None:
                         raise CheckFailed(f"{task}: on {name}, stage {s} (rank {r}) has no gradient for its parameter {k}: "

@@ -25,9 +25,8 @@ REAL = dict(width=768, rows_per_mb=128)
 COST = 0.002
 
 
-def _grads(stages) -> dict:
-    return {str(s): [p.grad.detach().clone() if p.grad is not None else None for b in st.blocks for p in b.parameters()]
-            for s, st in stages.items()}
+def _grads(params: dict) -> dict:
+    return {str(s): [p.grad.detach().clone() if p.grad is not None else None for p in ps] for s, ps in params.items()}
 
 
 def _torch_schedule(name: str, m: int, v: int, seed: int, width: int, rows: int):
@@ -73,9 +72,12 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
         blocks = list(model(WIDTH, seed=seed or 0))
         xs, ys = data(WIDTH, ROWS, M, seed or 0)
         stages = stages_of(r, p, v, blocks, xs, ys)
+        # what is judged is held here, out of reach of the executor (which may change the dict and the stages)
+        mine = dict(stages)
+        params = {s: [q for b in st.blocks for q in b.parameters()] for s, st in mine.items()}
         _, ops = tp_reference.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r])
-        left = [f"stage {s} holds micro-batch {mb}" for s, st in stages.items() for mb in st._held]
-        out[name] = {"grads": _grads(stages), "ops": ops, "left": left,
+        left = [f"stage {s} holds micro-batch {mb}" for s, st in mine.items() for mb in st._held]
+        out[name] = {"grads": _grads(params), "ops": ops, "left": left,
                      "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}
     return out
 
