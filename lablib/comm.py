@@ -243,8 +243,9 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, **meta):
         WATCH[0].append((op, target, nbytes))
     if _SIM.link is not None and op not in ("send", "recv"):
         return _over_link(_SIM.link, name, nbytes, async_op, call, op, meta, target)
-    if async_op:
-        return Work(call(), AsyncSpan(name, "comm", nbytes, op=op, **meta), target=target)
+    if async_op:  # the span opens before the call: a message's bar starts when it was posted
+        trace = AsyncSpan(name, "comm", nbytes, op=op, **meta)
+        return Work(call(), trace, target=target)
     with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
         # Only while recording: a timing loop (bandwidth.sweep) must not pay two /proc reads a message.
         before = written() if RECORDER.spans is not None and not tensor.is_cuda else None

@@ -243,10 +243,10 @@ def test_a_split_backward_gives_the_full_backwards_gradients_and_memory_is_count
     whole = pp.Stage(blocks, 0, 1, xs, ys)
     for mb in range(2):
         whole.forward(mb)
-    assert whole.live == 2 * whole.per_mb > 0
+    assert whole.held.live == 2 * whole.per_mb > 0
     for mb in range(2):
         whole.backward(mb)
-    assert whole.live == 0 and whole.peak == 2 * whole.per_mb
+    assert whole.held.live == 0 and whole.held.peak == 2 * whole.per_mb
     full = [p.grad.clone() for b in blocks for p in b.parameters()]
     for b in blocks:
         b.zero_grad(set_to_none=True)
@@ -255,10 +255,10 @@ def test_a_split_backward_gives_the_full_backwards_gradients_and_memory_is_count
         split.forward(mb)
         split.backward(mb, weights=False)
         assert all(p.grad is None for b in blocks for p in b.parameters())  # B leaves the weights to W
-        assert 0 < split.live < split.per_mb * (mb + 1)                     # what W needs, less than the forward's
+        assert 0 < split.held.live < split.per_mb * (mb + 1)                     # what W needs, less than the forward's
     for mb in range(2):
         split.backward_weight(mb)
-    assert split.live == 0
+    assert split.held.live == 0
     assert max((p.grad - f).abs().max().item() for p, f in zip((p for b in blocks for p in b.parameters()), full)) < 1e-6
     with pytest.raises(ValueError, match="before its B"):
         split.backward_weight(0)
@@ -452,3 +452,12 @@ def test_files_stay_out_of_reach_of_exercise_code(source):
     from lablib.checks.policy import problems
 
     assert problems(ast.parse(source), FORBIDDEN), source
+
+
+def test_a_rank_counts_the_activations_of_all_its_stages(cluster):
+    from lablib.views import pipeline as view
+
+    p = cluster.world_size
+    run = view.measure(cluster, yours(), "interleaved", p, 2, cost=0.001, repeats=1)
+    # v = 2 stages of half the layers each: half a micro-batch's activations per (micro-batch, stage) held
+    assert [b / run["per_mb"] for b in run["peak"]] == [k / 2 for k in pp.in_flight(pp.interleaved(p, p, 2))]

@@ -42,8 +42,11 @@ def _bubble(task, call, acts, p, m, v, want, what):
     times = {k: t / v for k, t in _TIMES.items()}
     got = pp.bubble(pp.simulate(acts, times, v))
     if got > want + 1e-9:
-        raise CheckFailed(f"{task}: {call}, simulated with F = {times['F']:g}, B = {times['BW']:g} (a full backward), "
-                          f"leaves a bubble of {got:.3f} of the step; {what} leaves {want:.3f}.")
+        split = any(a.kind == "W" for row in acts for a in row)
+        unit = (f"F = B = W = {times['F']:g}" if split else
+                f"F = {times['F']:g}, B = {times['BW']:g} (a full backward)") + (" per stage" if v > 1 else "")
+        raise CheckFailed(f"{task}: {call}, simulated with {unit}, leaves a bubble of {got:.3f} of the step; {what} "
+                          f"leaves {want:.3f}.")
     return got
 
 

@@ -305,6 +305,17 @@ def loss_fn(out, target, m):
     return F.mse_loss(out, target) / m
 
 
+class Held:
+    """Bytes of activations held on a rank (by all of its stages): now, and at most."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def add(self, delta: int) -> None:
+        self.live += delta
+        self.peak = max(self.peak, self.live)
+
+
 class Stage:
     """Stage ``index`` of ``stages``: its blocks of the model, its micro-batches' inputs (first stage) or
     targets (last), and what each micro-batch keeps between its forward and its backward.
@@ -315,14 +326,16 @@ class Stage:
     empty tensor of the activations' shape, to receive into. ``cost``: seconds per block for F, B and W
     (a full backward 2×) spent waiting, after the real compute: the simulated-compute mode."""
 
-    def __init__(self, blocks, index: int, stages: int, inputs, targets, cost: float | None = None):
+    def __init__(self, blocks, index: int, stages: int, inputs, targets, cost: float | None = None,
+                 rank_held: Held | None = None):
         self.blocks, self.index, self.stages = blocks, index, stages
         self.first, self.last = index == 0, index == stages - 1
         self.inputs, self.targets, self.m = inputs, targets, len(inputs)
         self.cost = cost
         self.linears = [b.fc for b in blocks]
         self._held: dict[int, dict] = {}
-        self.live = self.peak = 0       # bytes of activations held now, and at most
+        self.held = Held()              # bytes of activations this stage holds, now and at most
+        self.rank_held = rank_held      # the same for all the rank's stages together
         self.per_mb = 0                 # bytes one micro-batch's forward keeps
         self.busy = 0.0                 # seconds spent in F, B and W
 
@@ -391,8 +404,9 @@ class Stage:
         self._count(-held["bytes"])
 
     def _count(self, delta: int) -> None:
-        self.live += delta
-        self.peak = max(self.peak, self.live)
+        self.held.add(delta)
+        if self.rank_held is not None:
+            self.rank_held.add(delta)
 
 
 class _Timed(span):
@@ -420,10 +434,11 @@ def _sleep_until(t_ns: float) -> None:
 
 
 def stages_of(rank: int, p: int, v: int, blocks, inputs, targets, cost=None) -> dict[int, Stage]:
-    """The stages rank ``rank`` holds, {index: Stage}: ``blocks`` cut into p·v equal stages."""
-    n = p * v
+    """The stages rank ``rank`` holds, {index: Stage}: ``blocks`` cut into p·v equal stages, counting the
+    activations they hold together in one ``Held``."""
+    n, held = p * v, Held()
     per = len(blocks) // n
-    return {s: Stage(blocks[s * per:(s + 1) * per], s, n, inputs, targets, cost) for s in range(rank, n, p)}
+    return {s: Stage(blocks[s * per:(s + 1) * per], s, n, inputs, targets, cost, held) for s in range(rank, n, p)}
 
 
 def tag(kind: str, mb: int, stage: int) -> int:

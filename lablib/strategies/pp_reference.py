@@ -82,15 +82,17 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
     return out
 
 
-def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = None, repeats: int = 3) -> dict:
+def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = None, repeats: int = 3,
+             rows: int | None = None) -> dict:
     """``repeats`` measured steps of ``schedule_fn(p, m, v)`` with ``execute_fn``, after a warm-up step; the
     timeline records the last. Real compute (REAL) or, with ``cost``, simulated. Returns per step its
     seconds and this rank's busy seconds (in F, B and W), and the peak bytes of activations this rank
-    held and one micro-batch's."""
+    held and one micro-batch's. ``rows``: the batch's rows (default: m micro-batches of REAL's, or 4 rows
+    each when simulated)."""
     r, p = dist.get_rank(), dist.get_world_size()
-    width, rows = (32, 4) if cost else (REAL["width"], REAL["rows_per_mb"])
+    width, per_mb = (32, 4) if cost else (REAL["width"], REAL["rows_per_mb"])
     blocks = list(model(width))
-    xs, ys = data(width, rows * m, m)
+    xs, ys = data(width, rows or per_mb * m, m)
     plan = schedule_fn(p, m, v)[r]
     seconds, busy, stages = [], [], None
     for i in range(repeats + 1):
@@ -107,8 +109,10 @@ def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = N
         if i:
             seconds.append(time.perf_counter() - t0)
             busy.append(sum(st.busy for st in stages.values()))
-    return {"seconds": seconds, "busy": busy, "peak": max(st.peak for st in stages.values()),
-            "per_mb": max(st.per_mb for st in stages.values())}
+    first = next(iter(stages.values()))
+    # a micro-batch's activations through all of this rank's layers (v stages of 1/v of them)
+    return {"seconds": seconds, "busy": busy, "peak": first.rank_held.peak,
+            "per_mb": sum(st.per_mb for st in stages.values())}
 
 
 def torch_step_job(name: str, m: int, v: int = 1, repeats: int = 3) -> list:

@@ -14,8 +14,9 @@ def plan_figure(schedule, v: int = 1, title: str = "", split: bool | None = None
     acts = pp.as_actions(schedule)
     runs = pp.simulate(acts, {k: t / v for k, t in {"F": 1, "BW": 2, "B": 1, "W": 1}.items()}, v)
     op = {"F": "forward", "B": "backward", "W": "weight_grad"}
-    spans = [Span(r, f"{a.kind}{a.mb}", "compute", t0 / 1e3, t1 / 1e3, meta={"op": op[a.kind], "label": f"{a.kind}{a.mb}",
-                                                                              "stage": a.stage})
+    # each bar a little short of its slot, so neighbours of one colour stay apart; the stage on hover
+    spans = [Span(r, f"{a.kind}{a.mb} on stage {a.stage}", "compute", t0 / 1e3, (t1 - 0.04 / v) / 1e3,
+                  meta={"op": op[a.kind], "label": f"{a.kind}{a.mb}"})
              for r, run in enumerate(runs) for a, t0, t1 in run]
     fig = Timeline(spans, len(acts)).figure(title=title + f" (planned: bubble {pp.bubble(runs):.3f})", numbers=False)
     fig.update_xaxes(title="time in units of one forward of one rank's layers (planned, not measured)")
@@ -46,10 +47,12 @@ def breakdown(timeline) -> dict:
 
 def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | None = None, repeats: int = 2) -> dict:
     """Schedule ``name`` (lablib's, or the learner's in ``fns``, from ``yours``) run on ``cluster`` with
-    ``fns["execute"]``: the timeline of its last step, the breakdown of that step, the theory's bubble
+    ``fns["execute"]`` on m micro-batches ("naive": the same rows as one batch): the timeline of its last step, the breakdown of that step, the theory's bubble
     and the peak activations a rank held, in bytes and in micro-batches."""
-    schedule_fn = (lambda p, m, v=1: pp.naive(p)) if name == "naive" else fns[name]
-    results = cluster.run(ref.step_job, fns["execute"], schedule_fn, 1 if name == "naive" else m, v, cost, repeats)
+    naive = name == "naive"  # the same batch, as one micro-batch
+    schedule_fn = (lambda p, m, v=1: pp.naive(p)) if naive else fns[name]
+    rows = m * (4 if cost else ref.REAL["rows_per_mb"]) if naive else None
+    results = cluster.run(ref.step_job, fns["execute"], schedule_fn, 1 if naive else m, v, cost, repeats, rows)
     timeline = cluster.timeline()
     p = cluster.world_size
     return {"name": name, "p": p, "m": 1 if name == "naive" else m, "v": v, "timeline": timeline,
@@ -57,20 +60,21 @@ def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | Non
             "peak": [r["peak"] for r in results], "per_mb": results[0]["per_mb"]}
 
 
-TITLES = {"naive": "naive (one batch)", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
+TITLES = {"naive": "naive (whole batch)", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
           "zb-h1": "ZB-H1"}
 
 
 def timelines(runs):
     """The measured runs one above the other on one time axis."""
     return compare(*[r["timeline"] for r in runs], titles=[
-        f"{TITLES[r['name']]}, p={r['p']}, m={r['m']}" + (f", v={r['v']}" if r["v"] > 1 else "") for r in runs])
+        f"{TITLES[r['name']]}, p={r['p']}" + (f", m={r['m']}" if r["name"] != "naive" else "")
+        + (f", v={r['v']}" if r["v"] > 1 else "") for r in runs])
 
 
 def table(runs) -> str:
     """One line per run: the step, its busy/bubble/overhead split and the theory's bubble."""
-    lines = [f"{'schedule':<18}{'p':>3}{'m':>4}{'v':>3}{'step ms':>9}{'busy':>7}{'bubble':>8}{'theory':>8}{'overhead':>10}"]
+    lines = [f"{'schedule':<21}{'p':>3}{'m':>4}{'v':>3}{'step ms':>9}{'busy':>7}{'bubble':>8}{'theory':>8}{'overhead':>10}"]
     for r in runs:
-        lines.append(f"{TITLES[r['name']]:<18}{r['p']:>3}{r['m']:>4}{r['v']:>3}{r['step'] * 1e3:>9.1f}{r['busy']:>7.2f}"
+        lines.append(f"{TITLES[r['name']]:<21}{r['p']:>3}{r['m']:>4}{r['v']:>3}{r['step'] * 1e3:>9.1f}{r['busy']:>7.2f}"
                      f"{r['bubble']:>8.3f}{r['theory']:>8.3f}{r['overhead']:>10.3f}")
     return "\n".join(lines)

@@ -89,8 +89,10 @@ def label(span) -> str:
     return f"{prefix}{number}"
 
 
-def _bars(timeline, show_legend=True, label_min=0.03):
-    """The traces of one timeline: one WebGL trace per op, and one trace of labels."""
+def _bars(timeline, show_legend=True, label_min=0.03, shown: set | None = None):
+    """The traces of one timeline: one WebGL trace per op, and one trace of labels. ``shown``: the ops
+    already in the legend (several timelines in one figure list each op once)."""
+    shown = set() if shown is None else shown
     spans = [s for s in timeline.spans if s.kind in ("compute", "comm", "idle")]
     total = timeline.duration or 1.0
     ready = ready_times(spans, timeline.world_size)
@@ -118,7 +120,8 @@ def _bars(timeline, show_legend=True, label_min=0.03):
             xs += [start * 1e3, (start + end) / 2 * 1e3, end * 1e3, None]
             ys += [y, y, y, None]
             texts += [hover, hover, hover, None]
-        first = key == min(k for k in by_op if k.split("/")[0] == op)  # one legend entry per op
+        first = op not in shown  # one legend entry per op
+        shown.add(op)
         traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=name, legendgroup=op, showlegend=show_legend and first,
                                    line=dict(color=colour, width=7 if thin else 14), text=texts,
                                    hovertemplate="%{text}<extra></extra>", connectgaps=False))
@@ -128,7 +131,9 @@ def _bars(timeline, show_legend=True, label_min=0.03):
             x=[(moving_from[id(s)] + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
             mode="text", text=[label(s) for s in wide], textfont=dict(color="white", size=10), hoverinfo="skip",
             showlegend=False, name="labels"))
-    traces += _arrows(timeline, show_legend)
+    traces += _arrows(timeline, show_legend and "message" not in shown)
+    if timeline.messages():
+        shown.add("message")
     return traces
 
 
@@ -217,8 +222,9 @@ def compare_figure(timelines, titles=None):
     heights = [3 * t.world_size for t in timelines]
     fig = make_subplots(rows=len(timelines), cols=1, shared_xaxes=True, vertical_spacing=0.12 / len(timelines),
                         subplot_titles=heads, row_heights=heights)
+    shown: set = set()
     for i, t in enumerate(timelines, start=1):
-        for trace in _bars(t, show_legend=i == 1):
+        for trace in _bars(t, shown=shown):
             fig.add_trace(trace, row=i, col=1)
         _axis(fig, t.world_size, row=i, col=1)
     fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
