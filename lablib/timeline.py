@@ -213,15 +213,35 @@ class Timeline:
                 events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": lane}})
         for s in self.spans:
             args = {k: v for k, v in s.meta.items() if isinstance(v, (int, float, str, bool))}
-            if s.bytes is not None:
-                args["bytes"] = s.bytes
+            args.update({k: v for k, v in (("bytes", s.bytes), ("depth", s.depth), ("async", s.is_async)) if v})
             events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": s.rank, "tid": int(s.kind == "comm"),
                            "ts": round(s.start * 1e6, 3), "dur": round(s.duration * 1e6, 3), "args": args})
         for k, (send, recv) in enumerate(self.messages()):
             common = {"name": "message", "cat": "message", "id": k, "tid": 1}
             events.append({**common, "ph": "s", "pid": send.rank, "ts": round(send.start * 1e6, 3)})
             events.append({**common, "ph": "f", "bp": "e", "pid": recv.rank, "ts": round(recv.start * 1e6, 3)})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"title": self.title, "world_size": self.world_size, "clock_error": self.clock_error}}
+
+    @classmethod
+    def load(cls, path) -> "Timeline":
+        """A timeline back from the Chrome trace ``save_chrome_trace`` (or ``lablib.run``) wrote."""
+        with open(path) as f:
+            trace = json.load(f)
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+            raise ValueError(f"{path} is not a Chrome trace: no traceEvents list")
+        spans = []
+        for e in trace["traceEvents"]:
+            if e.get("ph") != "X" or e.get("cat") not in KINDS:
+                continue
+            meta = dict(e.get("args") or {})
+            nbytes, depth, is_async = meta.pop("bytes", None), meta.pop("depth", 0), meta.pop("async", False)
+            start = e["ts"] / 1e6
+            spans.append(Span(int(e["pid"]), e["name"], e["cat"], start, start + e["dur"] / 1e6, depth, nbytes,
+                              is_async, meta))
+        info = trace.get("otherData") or {}
+        ranks = info.get("world_size") or 1 + max((s.rank for s in spans), default=0)
+        return cls(spans, int(ranks), float(info.get("clock_error", 0.0)), str(info.get("title", "")))
 
     def save_chrome_trace(self, path) -> str:
         """Write the Chrome-trace JSON to ``path``; open it at https://ui.perfetto.dev."""

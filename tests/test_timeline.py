@@ -2,6 +2,7 @@
 import json
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -156,3 +157,20 @@ def test_span_outside_a_job_records_nothing_and_rejects_bad_kinds():
         assert "compute" in str(e)
     else:
         raise AssertionError("an unknown kind must be rejected")
+
+
+def test_a_chrome_trace_loads_back_into_the_same_timeline(tmp_path):
+
+    spans = [Span(0, "F0", "compute", 0.001, 0.003, meta={"op": "forward", "label": "F0"}),
+             Span(0, "inner", "compute", 0.0015, 0.002, depth=1),
+             Span(0, "send F0", "comm", 0.003, 0.004, bytes=512, is_async=True, meta={"op": "send", "peer": 1, "tag": 4}),
+             Span(1, "recv F0", "comm", 0.0025, 0.0041, bytes=512, is_async=True, meta={"op": "recv", "peer": 0, "tag": 4})]
+    before = Timeline(spans, 2, clock_error=1e-4, title="two ranks")
+    after = Timeline.load(before.save_chrome_trace(tmp_path / "t.json"))
+    assert (after.world_size, after.clock_error, after.title) == (2, 1e-4, "two ranks")
+    key = lambda s: (s.rank, s.name, s.kind, round(s.start, 9), round(s.end, 9), s.depth, s.bytes, s.is_async, s.meta)  # noqa: E731
+    assert sorted(map(key, after.spans)) == sorted(map(key, before.spans))
+    assert len(after.messages()) == 1
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        Timeline.load(tmp_path / "bad.json")

@@ -1,0 +1,47 @@
+"""The GPU path: NCCL with one GPU per rank, CUDA tensors, synchronised timing. Marked ``gpu``: they skip
+without CUDA and run with ``./lab.sh test -m gpu`` (or ``bash tests/gpu.sh``, which adds the NCCL
+bandwidth sweep). With a single GPU NCCL runs at world size 1: the multi-rank NCCL paths need 2."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lablib import Cluster, bandwidth
+
+ROOT = Path(__file__).resolve().parents[1]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU")]
+
+
+def _all_reduce():
+    import torch.distributed as dist
+
+    import lablib
+
+    x = torch.full((1 << 20,), float(dist.get_rank() + 1), device=lablib.device())
+    lablib.all_reduce(x)
+    return x.device.type, x[0].item()
+
+
+def test_nccl_all_reduces_cuda_tensors_and_times_the_transfer():
+    n = min(2, GPUS)
+    with Cluster(n, backend="nccl", timeout=60, quiet=True) as c:
+        assert c.run(_all_reduce) == [("cuda", n * (n + 1) / 2)] * n
+        spans = [s for s in c.timeline().spans if s.kind == "comm"]
+        assert len(spans) == n and all(s.duration > 0 for s in spans)
+
+
+def test_the_nccl_bandwidth_sweep_runs():
+    n = min(2, GPUS)
+    with Cluster(n, backend="nccl", timeout=60, quiet=True) as c:
+        rows = bandwidth.sweep(c, [1 << 16, 1 << 22], iters=3)
+    assert rows and all(r["busbw"] >= 0 for r in rows)
+
+
+def test_torchrun_runs_a_lab_on_the_gpus(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(min(2, GPUS)), "-m",
+                          "lablib.run", "welcome", "--trace", str(tmp_path / "t.json")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "(NCCL)" in out.stdout and "0 failed" in out.stdout, out.stdout + out.stderr
