@@ -352,7 +352,9 @@ class Stage:
             raise ValueError(f"stage {self.index}'s forward of micro-batch {mb} needs the activations received from "
                              f"stage {self.index - 1}")
         with self._timed(f"F{mb}", "forward", mb, 1):
-            x = x.detach().requires_grad_(not self.first)
+            # the first stage computes its input's gradient too (and sends it nowhere): every stage's B then
+            # does the same work, as the papers' bubble formulas assume
+            x = x.detach().requires_grad_()
             zs, acts, h = [], [], x
             for block in self.blocks:
                 acts.append(h)
@@ -382,10 +384,10 @@ class Stage:
                 self._held.pop(mb)
                 self._count(-held["bytes"])
             else:  # the gradient of the input and of each Linear's output; the weights' wait for W
-                wrt = ([] if self.first else [held["x"]]) + held["zs"]
+                wrt = [held["x"]] + held["zs"]
                 grads = torch.autograd.grad(held["out"], wrt, grad)
                 gx = None if self.first else grads[0]
-                held["grads"] = grads[0 if self.first else 1:]
+                held["grads"] = grads[1:]
                 self._count(sum(g.nbytes for g in held["grads"]) - held["bytes"] + sum(a.nbytes for a in held["acts"]))
                 held["bytes"] = sum(g.nbytes for g in held["grads"]) + sum(a.nbytes for a in held["acts"])
                 held.pop("zs"), held.pop("out"), held.pop("x")
