@@ -47,7 +47,7 @@ class Action(NamedTuple):
     stage: int  # stage (on rank stage % p)
 
     def __str__(self):
-        return f"{self.kind}{self.mb}" + (f" of stage {self.stage}")
+        return f"{self.kind}{self.mb} of stage {self.stage}"
 
 
 def as_actions(schedule, what: str = "the schedule") -> list[list[Action]]:
@@ -444,8 +444,8 @@ def stages_of(rank: int, p: int, v: int, blocks, inputs, targets, cost=None) -> 
 
 
 def tag(kind: str, mb: int, stage: int) -> int:
-    """A message's tag, the same on both sides: what it carries (activations into ``stage``, "F", or the
-    gradient into it, "B") and for which micro-batch, so a recv matches only its own send."""
+    """A message's tag, the same on both sides: what it carries (the activations going into ``stage``, "F",
+    or the gradient of its output, "B") and for which micro-batch, so a recv matches only its own send."""
     return 4 * (1000 * mb + stage) + (kind == "B")
 
 
