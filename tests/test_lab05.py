@@ -401,6 +401,13 @@ def execute_hiding_the_stages(stages, actions):
     stages.clear()
 
 
+def execute_in_its_own_order(stages, actions):
+    """Every forward first, then every backward (whole), whatever the schedule says."""
+    forwards = [a for a in actions if a[0] == "F"]
+    backwards = [("B", mb, s) for kind, mb, s in actions if kind == "B"]
+    execute(stages, forwards + backwards)
+
+
 def gpipe_as_1f1b_with_ws(p, m):
     return [[a for b in row for a in ((b, ("W", b[1], b[2])) if b[0] == "B" else (b,))] for row in one_f_one_b(p, m)]
 
@@ -413,8 +420,11 @@ def validate_sloppy(schedule, m, v=1):
 def test_the_check_holds_its_own_references_to_the_stages(cluster):
     if cluster.world_size != 2:
         pytest.skip("one world size is enough")
-    with pytest.raises(CheckFailed, match=r"stage 0 \(rank 0\) has no gradient for its parameter 0"):
+    with pytest.raises(CheckFailed, match=r"on gpipe, rank 0's action 0 is F0/0 .* but it ran nothing more"):
         check_execute(execute_hiding_the_stages, cluster, world_size=2, seed=1)
+    with pytest.raises(CheckFailed, match=r"on 1f1b, rank 0's action 2 is BW0/0 .* but it ran F2/0. Run the actions in "
+                                          "the order given"):
+        check_execute(execute_in_its_own_order, cluster, world_size=2, seed=1)
 
 
 def test_a_judge_trusts_no_count_of_cases_from_the_box():

@@ -145,3 +145,36 @@ def test_modules_stay_where_the_rules_can_see_them(source, found):
     """A module passed as a value, or left through an attribute chain, would carry the answers past the
     rules: both are refused."""
     assert any(found in p for p in problems(ast.parse(source), {})), (source, problems(ast.parse(source), {}))
+
+
+@pytest.mark.parametrize("source, found", [
+    # functools' attribute copier hands a library function's globals (and real builtins) to the learner's
+    ("import functools\ndef box():\n    pass\ndef f():\n    functools.update_wrapper(box, lablib.cluster)", ".update_wrapper"),
+    ("import functools\ndef f(g):\n    return functools.wraps(lablib.cluster)(g)", ".wraps"),
+    # a name bound anywhere no longer makes every use of it the learner's own
+    ("def f():\n    def names(__import__):\n        pass\n    return __import__('lablib.strategies.pipeline')",
+     "binds the name __import__"),
+    ("def f(getattr=None):\n    return getattr", "binds the name getattr"),
+    ("def f():\n    open = 1\n    return open", "binds the name open"),
+])
+def test_ways_to_the_real_builtins_are_refused(source, found):
+    from lablib.checks.policy import problems
+
+    assert any(found in p for p in problems(ast.parse(source), {})), problems(ast.parse(source), {})
+
+
+def test_harmless_builtin_names_may_be_parameters():
+    from lablib.checks.policy import problems
+
+    assert problems(ast.parse("def ring(output, input, bytes=0, id=None):\n    return input"), {}) == []
+
+
+def test_the_boxs_import_guard_lets_through_only_the_listed_modules_and_torchs_own_storage():
+    from lablib.course.runner import namespace
+
+    ns = namespace()
+    guard = ns["__builtins__"]["__import__"]
+    assert guard("torch.storage") is not None and guard("math") is not None
+    for name in ("torch.serialization", "pickle", "lablib.strategies.pipeline"):
+        with pytest.raises(ImportError, match="may import only"):
+            guard(name)

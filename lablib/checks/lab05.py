@@ -229,6 +229,11 @@ def collect_validate(fns, pool, seed):
     return out
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def judge_validate(data, world_size, seed) -> str:
     task = "Task 5.3"
     names = {i: what for i, (*_, what) in enumerate(_bank())} if seed is None else {}
@@ -241,7 +246,7 @@ def judge_validate(data, world_size, seed) -> str:
         show = "\n".join(f"  rank {r}: " + " ".join(f"{k}{mb}/{s}" for k, mb, s in row) for r, row in enumerate(schedule))
         if want is None:
             if got is not None:
-                raise CheckFailed(f"{task}: validate found a problem, {got!r}, in {what}, which runs to the end (m = "
+                raise CheckFailed(f"{task}: validate found a problem, {_short(got)}, in {what}, which runs to the end (m = "
                                   f"{m}, v = {v}; each action as kind, micro-batch/stage):\n{show}")
             continue
         if got is None:
@@ -249,7 +254,7 @@ def judge_validate(data, world_size, seed) -> str:
                               f"{want.index}: {want.reason}.\n{show}")
         if (not isinstance(got, list) or len(got) != 3 or not isinstance(got[2], str) or not got[2].strip()
                 or list(got[:2]) != [want.rank, want.index]):
-            raise CheckFailed(f"{task}: validate returned {got!r} for {what}; expected (rank, index, reason) with rank "
+            raise CheckFailed(f"{task}: validate returned {_short(got)} for {what}; expected (rank, index, reason) with rank "
                               f"{want.rank} and index {want.index}: {want.reason}. (Rules in order: wrong rank or "
                               f"micro-batch, listed twice, missing, then the deadlock's lowest stuck rank.)\n{show}")
     return f": the right action named in each of {len(data)} schedules, valid and broken"
@@ -302,6 +307,15 @@ def judge_execute(data, world_size, seed) -> str:
                 raise CheckFailed(f"{task}: after {name} on {p} ranks, rank {r}'s " + ", ".join(res["left"][:3]) +
                                   ": a backward (or W) did not run.")
             plan = pp.SCHEDULES[name](p, ref.M, v)[r]
+            split = any(a.kind == "W" for a in plan)
+            want_ran = [f"{'BW' if a.kind == 'B' and not split else a.kind}{a.mb}/{a.stage}" for a in plan]
+            ran = [str(x) for x in res.get("ran", [])]
+            if ran != want_ran:
+                k = next((i for i, (a, b) in enumerate(zip(ran, want_ran)) if a != b), min(len(ran), len(want_ran)))
+                got = ran[k] if k < len(ran) else "nothing more"
+                raise CheckFailed(f"{task}: on {name}, rank {r}'s action {k} is {want_ran[k] if k < len(want_ran) else 'none'}"
+                                  f" (kind micro-batch/stage; BW: a whole backward), but it ran {got}. Run the "
+                                  "actions in the order given: the order is the schedule.")
             sends = sum(1 for a in plan if (a.kind == "F" and a.stage < n - 1) or (a.kind == "B" and a.stage > 0))
             recvs = sum(1 for a in plan if (a.kind == "F" and a.stage > 0) or (a.kind == "B" and a.stage < n - 1))
             ops = [str(o).split(" ") for o in res["ops"]]

@@ -10,6 +10,7 @@ call library collectives, Task 2.1 may not use ``isend``.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import inspect
 import textwrap
@@ -40,7 +41,9 @@ DENIED = {"sys", "os", "modules", "builtins", "importlib", "subprocess", "ctypes
           "GroupMember", "attrgetter", "methodcaller", "globals", "f_globals", "f_back", "gi_frame",
           # ways to read or write files (a grading box's own request and results among them)
           "from_file", "numpy", "tofile", "checkpoint", "profiler", "onnx", "save_chrome_trace",
-          "export_chrome_trace", "export_stacks", "export_memory_timeline"}
+          "export_chrome_trace", "export_stacks", "export_memory_timeline",
+          # functools' attribute copiers reach a library function's globals (its real builtins among them)
+          "update_wrapper", "wraps"}
 
 # What ``dist.*`` in a task's forbidden rules leaves allowed: questions, no data moved (labs 03-04, whose
 # exercises communicate through lablib's traced collectives only).
@@ -72,21 +75,32 @@ def module_aliases(statements) -> dict[str, str]:
     return {k: v for k, v in found.items() if k not in GLOBALS}
 
 
+def _binds(node) -> str | None:
+    """The name ``node`` binds: a definition, a parameter, a target, an import, an exception's name."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    if isinstance(node, ast.arg):
+        return node.arg
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return node.id
+    if isinstance(node, ast.alias):
+        return (node.asname or node.name).split(".")[0]
+    if isinstance(node, ast.ExceptHandler) and node.name:
+        return node.name
+    return None
+
+
 def bound_names(tree) -> set[str]:
     """Every name the code binds anywhere: definitions, parameters, targets, imports."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, ast.arg):
-            names.add(node.arg)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.id)
-        elif isinstance(node, ast.alias):
-            names.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names.add(node.name)
-    return names
+    return {name for node in ast.walk(tree) if (name := _binds(node)) is not None}
+
+
+# Builtins that reach past the rules (getattr, open, __import__, ...): code that binds one of these names
+# (a parameter named __import__, say) would make its uses elsewhere look like the learner's own. Binding
+# a harmless one (a parameter named input or bytes) is fine.
+_HARMLESS = {"input", "id", "hash", "ord", "chr", "bin", "hex", "oct", "ascii", "bytes", "bytearray", "complex",
+             "license", "copyright", "credits"}
+_RESERVED = {name for name in dir(builtins) if name not in SAFE_BUILTINS | _HARMLESS}
 
 
 def _is_path(node) -> bool:
@@ -198,6 +212,9 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
     bases |= {id(n.value) for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
               and all(isinstance(t, ast.Name) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))}
     for node in ast.walk(tree):
+        name = _binds(node)
+        if name is not None and (name in _RESERVED or (name.startswith("__") and name.endswith("__"))):
+            add(node, f"binds the name {name}, which Python gives a meaning of its own; choose another name")
         if isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load):
             path = _chain(node, modules)
             if path:

@@ -306,10 +306,12 @@ def loss_fn(out, target, m):
 
 
 class Held:
-    """Bytes of activations held on a rank (by all of its stages): now, and at most."""
+    """Bytes of activations held on a rank (by all of its stages): now, and at most; and the actions its
+    stages ran, in order ("F", "B" for an input-only backward, "BW" for a whole one, "W")."""
 
     def __init__(self):
         self.live = self.peak = 0
+        self.log: list[tuple[str, int, int]] = []
 
     def add(self, delta: int) -> None:
         self.live += delta
@@ -343,6 +345,9 @@ class Stage:
         return torch.empty_like(self.inputs[0])
 
     def _timed(self, name: str, kind: str, mb: int, units: float):
+        if self.rank_held is not None:
+            self.rank_held.log.append(({"forward": "F", "weight_grad": "W"}.get(kind) or ("BW" if units == 2 else "B"),
+                                       mb, self.index))
         return _Timed(self, name, kind, mb, units)
 
     def forward(self, mb: int, x=None):

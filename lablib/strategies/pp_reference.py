@@ -62,8 +62,9 @@ def torch_job(name: str, m: int, v: int, seed: int = 0) -> dict:
 def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
     """The checks' job: the learner's executor on each CHECKED schedule (lablib's schedules), and with
     ``compare`` PyTorch's schedule of the same name on the same model. Per schedule: this rank's stages'
-    gradients, the messages it sent and received ("send F2 to 1 tag 8 512": what, peer, tag, bytes),
-    and PyTorch's gradients."""
+    gradients, the messages it sent and received ("send 512": which, bytes), the actions its stages ran
+    ("F2/0": forward of micro-batch 2 on stage 0; "B", "BW" or "W"), what they still hold, and PyTorch's
+    gradients."""
     from . import tp_reference
 
     r, p = dist.get_rank(), dist.get_world_size()
@@ -75,9 +76,10 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
         # what is judged is held here, out of reach of the executor (which may change the dict and the stages)
         mine = dict(stages)
         params = {s: [q for b in st.blocks for q in b.parameters()] for s, st in mine.items()}
+        record = next(iter(mine.values())).rank_held
         _, ops = tp_reference.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r])
         left = [f"stage {s} holds micro-batch {mb}" for s, st in mine.items() for mb in st._held]
-        out[name] = {"grads": _grads(params), "ops": ops, "left": left,
+        out[name] = {"grads": _grads(params), "ops": ops, "left": left, "ran": [f"{k}{mb}/{s}" for k, mb, s in record.log],
                      "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}
     return out
 
