@@ -271,11 +271,12 @@ def p6_pipeline(s: Settings) -> list[Row]:
     at 2 ranks with real compute and at 4 with simulated compute (its step's breakdown, views.pipeline)."""
     from .checks.lab05 import yours
     from .strategies import pipeline as pp
+    from .strategies import schedules as sc
     from .strategies import pp_reference as ref
     from .views import pipeline as view
 
     m = 8
-    one_f_one_b = lambda p, m, v=1: pp.one_f_one_b(p, m)  # noqa: E731
+    one_f_one_b = lambda p, m, v=1: sc.one_f_one_b(p, m)  # noqa: E731
     ours, theirs = _side_by_side(
         s, 2, lambda c: statistics.median(c.run(ref.step_job, pp.execute, one_f_one_b, m, 1, None, 3)[0]["seconds"]) * 1e3,
         lambda c: statistics.median(c.run(ref.torch_step_job, "1f1b", m)[0]) * 1e3)

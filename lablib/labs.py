@@ -22,5 +22,5 @@ LABS = (
     Lab("02_collectives", "lab02", ("ring",)),
     Lab("03_prefetch_overlap", "lab03", ("prefetch",)),
     Lab("04_tensor_parallel", "lab04", ("tensor_parallel", "tp_reference")),
-    Lab("05_pipeline_bubbles", "lab05", ("pipeline", "pp_reference")),
+    Lab("05_pipeline_bubbles", "lab05", ("schedules", "pipeline", "pp_reference")),
 )

@@ -14,6 +14,7 @@ from lablib.checks import PASSED, CheckFailed
 from lablib.checks.lab05 import (_bank, check_advanced, check_execute, check_simple, check_validate, judge_execute,
                                  yours)
 from lablib.strategies import pipeline as pp
+from lablib.strategies import schedules as sc
 from lablib.strategies import pp_reference as ref
 
 
@@ -195,22 +196,22 @@ def not_done(*args):
 def test_lablibs_schedules_leave_the_papers_bubble_and_hold_the_papers_memory(p, m):
     unit = {"F": 1, "BW": 2, "B": 1, "W": 1}
     for name in ("gpipe", "1f1b"):
-        acts = pp.SCHEDULES[name](p, m)
-        assert pp.validate(acts, m) is None
-        assert pp.bubble(pp.simulate(acts, unit)) == pytest.approx(pp.theory(name, p, m))
-    assert pp.in_flight(pp.gpipe(p, m)) == [m] * p
-    assert pp.in_flight(pp.one_f_one_b(p, m)) == [min(m, p - r) for r in range(p)]
-    zb = pp.zb_h1(p, m)
-    assert pp.validate(zb, m) is None and max(pp.in_flight(zb)) <= p
+        acts = sc.SCHEDULES[name](p, m)
+        assert sc.validate(acts, m) is None
+        assert sc.bubble(sc.simulate(acts, unit)) == pytest.approx(sc.theory(name, p, m))
+    assert sc.in_flight(sc.gpipe(p, m)) == [m] * p
+    assert sc.in_flight(sc.one_f_one_b(p, m)) == [min(m, p - r) for r in range(p)]
+    zb = sc.zb_h1(p, m)
+    assert sc.validate(zb, m) is None and max(sc.in_flight(zb)) <= p
     if m >= p:  # the paper's formula assumes the pipeline fills
-        assert pp.bubble(pp.simulate(zb, unit)) == pytest.approx(pp.theory("zb-h1", p, m))
-        assert pp.bubble(pp.simulate(zb, unit)) < pp.theory("1f1b", p, m)
+        assert sc.bubble(sc.simulate(zb, unit)) == pytest.approx(sc.theory("zb-h1", p, m))
+        assert sc.bubble(sc.simulate(zb, unit)) < sc.theory("1f1b", p, m)
     if m % p == 0:
         for v in (2, 3):
-            acts = pp.interleaved(p, m, v)
-            assert pp.validate(acts, m, v) is None
+            acts = sc.interleaved(p, m, v)
+            assert sc.validate(acts, m, v) is None
             times = {k: t / v for k, t in unit.items()}
-            assert pp.bubble(pp.simulate(acts, times, v)) == pytest.approx(pp.theory("interleaved", p, m, v))
+            assert sc.bubble(sc.simulate(acts, times, v)) == pytest.approx(sc.theory("interleaved", p, m, v))
 
 
 def test_the_validator_names_the_first_action_that_cannot_run():
@@ -219,21 +220,21 @@ def test_the_validator_names_the_first_action_that_cannot_run():
             "a backward before its own forward": (0, 2), "a W before its B": (0, 2),
             "a micro-batch out of range": (0, 1)}
     for schedule, m, v, what in _bank():
-        problem = pp.validate(schedule, m, v)
+        problem = sc.validate(schedule, m, v)
         if what in want:
             assert problem is not None and (problem.rank, problem.index) == want[what], (what, problem)
             assert problem.reason
         else:
             assert problem is None, (what, problem)
     deadlock = _bank()[7][0]
-    assert "can never start: it needs B0 of stage 1" in pp.validate(deadlock, 2).reason
+    assert "can never start: it needs B0 of stage 1" in sc.validate(deadlock, 2).reason
     with pytest.raises(ValueError, match=r"the schedule\[0\]\[1\] is 'F0'"):
-        pp.validate([[("F", 0, 0), "F0"]], 1)
+        sc.validate([[("F", 0, 0), "F0"]], 1)
 
 
 def test_interleaved_needs_groups_of_p():
     with pytest.raises(ValueError, match="does not divide by p"):
-        pp.interleaved(4, 6, 2)
+        sc.interleaved(4, 6, 2)
 
 
 # -- the Stage ------------------------------------------------------------------------------------------------------
@@ -325,7 +326,7 @@ def test_library_shortcuts_are_refused():
         with pytest.raises(CheckFailed, match=why):
             check_execute(fn, world_size=2, seed=1)
     with pytest.raises(CheckFailed, match="lablib's own"):
-        check_simple(pp.gpipe, one_f_one_b)
+        check_simple(sc.gpipe, one_f_one_b)
 
 
 def test_hidden_checks_draw_other_schedules_and_weights(cluster):
@@ -351,7 +352,7 @@ def test_a_measured_run_splits_its_step_and_draws_its_messages(cluster):
     assert len(tl.messages()) == 2 * 4 * (p - 1)  # each micro-batch's activation and gradient across p-1 boundaries
     for send, recv in tl.messages():
         assert send.meta["tag"] == recv.meta["tag"] and recv.rank == send.meta["peer"]
-    assert view.plan_figure(pp.zb_h1(p, 4)).data and view.timelines([run, run]).data
+    assert view.plan_figure(sc.zb_h1(p, 4)).data and view.timelines([run, run]).data
     assert "1F1B" in view.table([run])
 
 
@@ -359,7 +360,7 @@ def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
     for task in ("Task 5.1", "Task 5.2", "Task 5.3", "Task 5.4"):
         PASSED.discard(task)
     fns = yours(gpipe=gpipe, execute=execute)
-    assert fns["execute"] is pp.execute and fns["gpipe"](2, 2) == pp.gpipe(2, 2)
+    assert fns["execute"] is pp.execute and fns["gpipe"](2, 2) == sc.gpipe(2, 2)
     PASSED.add("Task 5.4")
     fns = yours(gpipe=gpipe, execute=execute)
     assert fns["execute"] is execute
@@ -470,4 +471,4 @@ def test_a_rank_counts_the_activations_of_all_its_stages(cluster):
     p = cluster.world_size
     run = view.measure(cluster, yours(), "interleaved", p, 2, cost=0.001, repeats=1)
     # v = 2 stages of half the layers each: half a micro-batch's activations per (micro-batch, stage) held
-    assert [b / run["per_mb"] for b in run["peak"]] == [k / 2 for k in pp.in_flight(pp.interleaved(p, p, 2))]
+    assert [b / run["per_mb"] for b in run["peak"]] == [k / 2 for k in sc.in_flight(sc.interleaved(p, p, 2))]

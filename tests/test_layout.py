@@ -13,7 +13,7 @@ PACKAGE = ROOT / "lablib"
 RANK_SIDE = ["lablib.pool.worker", "lablib.timeline", "lablib.overlap", "lablib.profiling", "lablib.comm",
              "lablib.toy", "lablib.memory", "lablib.bandwidth", "lablib.strategies.flat", "lablib.strategies.harness",
              "lablib.strategies.zero", "lablib.strategies.fsdp", "lablib.strategies.ring", "lablib.strategies.prefetch",
-             "lablib.strategies.tensor_parallel", "lablib.strategies.tp_reference", "lablib.strategies.pipeline",
+             "lablib.strategies.tensor_parallel", "lablib.strategies.tp_reference", "lablib.strategies.schedules", "lablib.strategies.pipeline",
              "lablib.strategies.pp_reference"] + [f"lablib.checks.{lab.checks}" for lab in LABS]
 NOTEBOOK_SIDE = ("plotly", "ipywidgets", "IPython", "lablib.views", "lablib.quiz", "lablib.course")
 

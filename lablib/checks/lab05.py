@@ -10,6 +10,7 @@ import random
 
 
 from ..strategies import pipeline as pp
+from ..strategies import schedules as sc
 from ..strategies import pp_reference as ref
 from . import Check, CheckFailed, call_local, run_on_ranks
 
@@ -27,12 +28,12 @@ def _schedule(task, name, got, p, m, v=1):
     """The learner's schedule as Actions, valid, or CheckFailed naming the first problem."""
     call = f"{name}({p}, {m}{f', {v}' if v > 1 else ''})"
     try:
-        acts = pp.as_actions(got, f"{call}")
+        acts = sc.as_actions(got, f"{call}")
     except ValueError as exc:
         raise CheckFailed(f"{task}: {exc}.") from None
     if len(acts) != p:
         raise CheckFailed(f"{task}: {call} returned {len(acts)} lists; expected one per rank, {p}.")
-    problem = pp.validate(acts, m, v)
+    problem = sc.validate(acts, m, v)
     if problem:
         raise CheckFailed(f"{task}: {call} cannot run: {problem.reason}.")
     return acts
@@ -40,7 +41,7 @@ def _schedule(task, name, got, p, m, v=1):
 
 def _bubble(task, call, acts, p, m, v, want, what):
     times = {k: t / v for k, t in _TIMES.items()}
-    got = pp.bubble(pp.simulate(acts, times, v))
+    got = sc.bubble(sc.simulate(acts, times, v))
     if got > want + 1e-9:
         split = any(a.kind == "W" for row in acts for a in row)
         unit = (f"F = B = W = {times['F']:g}" if split else
@@ -91,17 +92,17 @@ def judge_simple(data, world_size, seed) -> str:
             if "".join(a.kind for a in row) != "F" * m + "B" * m:
                 raise CheckFailed(f"{task}: gpipe({p}, {m}) on rank {r} runs " + " ".join(f"{a.kind}{a.mb}" for a in row)
                                   + ". GPipe runs every micro-batch's forward, then the backwards (no W).")
-        _bubble(task, f"gpipe({p}, {m})", acts, p, m, 1, pp.theory("gpipe", p, m), "GPipe, (p-1)/(m+p-1),")
+        _bubble(task, f"gpipe({p}, {m})", acts, p, m, 1, sc.theory("gpipe", p, m), "GPipe, (p-1)/(m+p-1),")
         acts = _schedule(task, "one_f_one_b", case["1f1b"], p, m)
         if any(a.kind == "W" for row in acts for a in row):
             raise CheckFailed(f"{task}: one_f_one_b({p}, {m}) has W actions; 1F1B's backward is one B.")
-        held = pp.in_flight(acts)
+        held = sc.in_flight(acts)
         for r in range(p):
             if held[r] > min(m, p - r):
                 raise CheckFailed(f"{task}: one_f_one_b({p}, {m}) holds {held[r]} micro-batches' activations on rank {r} at "
                                   f"once; 1F1B holds at most {min(m, p - r)} there (p - rank: the warm-up's p-1-rank "
                                   "forwards, then one forward before each backward).")
-        _bubble(task, f"one_f_one_b({p}, {m})", acts, p, m, 1, pp.theory("1f1b", p, m), "1F1B, like GPipe, (p-1)/(m+p-1),")
+        _bubble(task, f"one_f_one_b({p}, {m})", acts, p, m, 1, sc.theory("1f1b", p, m), "1F1B, like GPipe, (p-1)/(m+p-1),")
     cases = ", ".join(f"(p={c['p']}, m={c['m']})" for c in data)
     return (f" for {cases}: both run to the end with the bubble (p-1)/(m+p-1); GPipe holds m micro-batches, "
             "1F1B at most p - rank")
@@ -135,10 +136,10 @@ def judge_advanced(data, world_size, seed) -> str:
     for case in data:
         p, m, v = case["p"], case["m"], case["v"]
         acts = _schedule(task, "interleaved", case["interleaved"], p, m, v)
-        _bubble(task, f"interleaved({p}, {m}, {v})", acts, p, m, v, pp.theory("interleaved", p, m, v),
+        _bubble(task, f"interleaved({p}, {m}, {v})", acts, p, m, v, sc.theory("interleaved", p, m, v),
                 "interleaved 1F1B, (p-1)/(v·m+p-1),")
-        most = pp.in_flight(pp.interleaved(p, m, v))
-        held = pp.in_flight(acts)
+        most = sc.in_flight(sc.interleaved(p, m, v))
+        held = sc.in_flight(acts)
         for r in range(p):
             if held[r] > most[r]:
                 raise CheckFailed(f"{task}: interleaved({p}, {m}, {v}) holds {held[r]} (micro-batch, stage) activations "
@@ -149,13 +150,13 @@ def judge_advanced(data, world_size, seed) -> str:
         if not any(a.kind == "W" for row in acts for a in row):
             raise CheckFailed(f"{task}: zb_h1({p}, {m}) has no W actions: a zero-bubble schedule splits each backward "
                               "into B (the input's gradient) and W (the weights').")
-        held = pp.in_flight(acts)
+        held = sc.in_flight(acts)
         if max(held) > p:
             r = held.index(max(held))
             raise CheckFailed(f"{task}: zb_h1({p}, {m}) holds {held[r]} micro-batches' activations on rank {r} at once "
                               f"(from F until W); ZB-H1 keeps 1F1B's memory, at most p = {p}: a W may wait, but not "
                               "longer than that.")
-        _bubble(task, f"zb_h1({p}, {m})", acts, p, m, 1, pp.theory("zb-h1", p, m),
+        _bubble(task, f"zb_h1({p}, {m})", acts, p, m, 1, sc.theory("zb-h1", p, m),
                 "ZB-H1 (T_F = T_B = T_W = 1), (p-1)/(3m+p-1),")
     cases = ", ".join(f"(p={c['p']}, m={c['m']}, v={c['v']})" for c in data)
     return (f" for {cases}: interleaved 1F1B leaves (p-1)/(v·m+p-1) and ZB-H1 (p-1)/(3m+p-1) of the step idle, "
@@ -173,7 +174,7 @@ def _broken(rng: random.Random):
     name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved"])
     p, v = rng.randint(2, 4), rng.randint(2, 3) if name == "interleaved" else 1
     m = p * rng.randint(1, 2) if name == "interleaved" else rng.randint(2, 5)
-    rows = [list(map(list, row)) for row in pp.SCHEDULES[name](p, m, v)]
+    rows = [list(map(list, row)) for row in sc.SCHEDULES[name](p, m, v)]
     r = rng.randrange(p)
     what = rng.randrange(7)
     i, j = sorted(rng.sample(range(len(rows[r])), 2))
@@ -199,16 +200,16 @@ def _validate_cases(seed):
 
 def _bank():
     """The fixed cases: (schedule, m, v) and what is wrong with it, in words (the tests read them too)."""
-    ok = [(pp.gpipe(2, 3), 3, 1, "GPipe, p=2, m=3"), (pp.one_f_one_b(4, 4), 4, 1, "1F1B, p=4, m=4"),
-          (pp.interleaved(2, 4, 2), 4, 2, "interleaved, p=2, m=4, v=2"), (pp.zb_h1(3, 3), 3, 1, "ZB-H1, p=3, m=3")]
-    g = [list(map(list, row)) for row in pp.gpipe(2, 2)]
+    ok = [(sc.gpipe(2, 3), 3, 1, "GPipe, p=2, m=3"), (sc.one_f_one_b(4, 4), 4, 1, "1F1B, p=4, m=4"),
+          (sc.interleaved(2, 4, 2), 4, 2, "interleaved, p=2, m=4, v=2"), (sc.zb_h1(3, 3), 3, 1, "ZB-H1, p=3, m=3")]
+    g = [list(map(list, row)) for row in sc.gpipe(2, 2)]
     wrong_rank = [row[:] for row in g]
     wrong_rank[1] = wrong_rank[1][:1] + [["F", 1, 0]] + wrong_rank[1][2:]
     twice = [g[0] + [["B", 1, 0]], g[1]]
     missing = [g[0], [a for a in g[1] if a != ["B", 0, 1]]]
     deadlock = [[["F", 0, 0], ["B", 0, 0], ["F", 1, 0], ["B", 1, 0]], [["F", 0, 1], ["F", 1, 1], ["B", 0, 1], ["B", 1, 1]]]
     own = [g[0], [["B", 0, 1], ["F", 0, 1], ["F", 1, 1], ["B", 1, 1]]]
-    w_first = [[list(a) for a in row] for row in pp.zb_h1(2, 2)]
+    w_first = [[list(a) for a in row] for row in sc.zb_h1(2, 2)]
     k = next(i for i, a in enumerate(w_first[1]) if a[0] == "W")
     w_first[1].insert(0, w_first[1].pop(k))
     bad = [(wrong_rank, 2, 1, "stage 0's forward listed on rank 1"), (twice, 2, 1, "a backward listed twice"),
@@ -241,7 +242,7 @@ def judge_validate(data, world_size, seed) -> str:
     if not isinstance(data, list) or len(data) != len(cases):
         raise CheckFailed(f"{task}: the results are not those of the {len(cases)} schedules the check ran.")
     for i, ((schedule, m, v), got) in enumerate(zip(cases, data)):
-        want = pp.validate(schedule, m, v)
+        want = sc.validate(schedule, m, v)
         what = names.get(i, "this schedule")
         show = "\n".join(f"  rank {r}: " + " ".join(f"{k}{mb}/{s}" for k, mb, s in row) for r, row in enumerate(schedule))
         if want is None:
@@ -306,7 +307,7 @@ def judge_execute(data, world_size, seed) -> str:
             if res["left"]:
                 raise CheckFailed(f"{task}: after {name} on {p} ranks, rank {r}'s " + ", ".join(res["left"][:3]) +
                                   ": a backward (or W) did not run.")
-            plan = pp.SCHEDULES[name](p, ref.M, v)[r]
+            plan = sc.SCHEDULES[name](p, ref.M, v)[r]
             split = any(a.kind == "W" for a in plan)
             want_ran = [f"{'BW' if a.kind == 'B' and not split else a.kind}{a.mb}/{a.stage}" for a in plan]
             ran = [str(x) for x in res.get("ran", [])]
@@ -381,8 +382,8 @@ def yours(**fns) -> dict:
     print("Running " + (f"your functions of {', '.join(sorted({_TASKS[k][0] for k in mine}))}" if mine else
                         "lablib's functions") + (f" (lablib's for {', '.join(waiting)}: not passed yet)" if waiting else ""))
     out = {"execute": pp.execute, **{k: (lambda f: lambda p, m, v=1: f(p, m))(f) for k, f in
-                                      (("gpipe", pp.gpipe), ("1f1b", pp.one_f_one_b), ("zb-h1", pp.zb_h1))},
-           "interleaved": pp.interleaved, "validate": pp.validate}
+                                      (("gpipe", sc.gpipe), ("1f1b", sc.one_f_one_b), ("zb-h1", sc.zb_h1))},
+           "interleaved": sc.interleaved, "validate": sc.validate}
     for k in mine:
         fn = fns[k]
         out[_TASKS[k][1]] = fn if k in ("execute", "interleaved", "validate") else (lambda f: lambda p, m, v=1: f(p, m))(fn)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .pipeline import SCHEDULES, data, model, stages_of
+from .pipeline import data, model, stages_of
+from .schedules import SCHEDULES
 from .prefetch import start_recording
 
 # The check's model: 8 blocks of width 32, 4 micro-batches of 4 rows; its four schedules (name, v).

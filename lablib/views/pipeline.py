@@ -3,7 +3,7 @@ on the ranks one above the other, and the measured bubble beside the papers' for
 from __future__ import annotations
 
 from ..overlap import intersect, length, union
-from ..strategies import pipeline as pp
+from ..strategies import schedules as sc
 from ..strategies import pp_reference as ref
 from ..timeline import Span, Timeline, compare
 
@@ -11,14 +11,14 @@ from ..timeline import Span, Timeline, compare
 def plan_figure(schedule, v: int = 1, title: str = "", split: bool | None = None):
     """The schedule as the simulator runs it (F = 1, B = 2, or B = W = 1 when it has W actions), per rank
     on one axis: planned, not measured."""
-    acts = pp.as_actions(schedule)
-    runs = pp.simulate(acts, {k: t / v for k, t in {"F": 1, "BW": 2, "B": 1, "W": 1}.items()}, v)
+    acts = sc.as_actions(schedule)
+    runs = sc.simulate(acts, {k: t / v for k, t in {"F": 1, "BW": 2, "B": 1, "W": 1}.items()}, v)
     op = {"F": "forward", "B": "backward", "W": "weight_grad"}
     # each bar a little short of its slot, so neighbours of one colour stay apart; the stage on hover
     spans = [Span(r, f"{a.kind}{a.mb} on stage {a.stage}", "compute", t0 / 1e3, (t1 - 0.04 / v) / 1e3,
                   meta={"op": op[a.kind], "label": f"{a.kind}{a.mb}"})
              for r, run in enumerate(runs) for a, t0, t1 in run]
-    fig = Timeline(spans, len(acts)).figure(title=title + f" (planned: bubble {pp.bubble(runs):.3f})", numbers=False)
+    fig = Timeline(spans, len(acts)).figure(title=title + f" (planned: bubble {sc.bubble(runs):.3f})", numbers=False)
     fig.update_xaxes(title="time in units of one forward of one rank's layers (planned, not measured)")
     return fig
 
@@ -50,13 +50,13 @@ def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | Non
     ``fns["execute"]`` on m micro-batches ("naive": the same rows as one batch): the timeline of its last step, the breakdown of that step, the theory's bubble
     and the peak activations a rank held, in bytes and in micro-batches."""
     naive = name == "naive"  # the same batch, as one micro-batch
-    schedule_fn = (lambda p, m, v=1: pp.naive(p)) if naive else fns[name]
+    schedule_fn = (lambda p, m, v=1: sc.naive(p)) if naive else fns[name]
     rows = m * (4 if cost else ref.REAL["rows_per_mb"]) if naive else None
     results = cluster.run(ref.step_job, fns["execute"], schedule_fn, 1 if naive else m, v, cost, repeats, rows)
     timeline = cluster.timeline()
     p = cluster.world_size
     return {"name": name, "p": p, "m": 1 if name == "naive" else m, "v": v, "timeline": timeline,
-            **breakdown(timeline), "theory": pp.theory(name, p, m, v),
+            **breakdown(timeline), "theory": sc.theory(name, p, m, v),
             "peak": [r["peak"] for r in results], "per_mb": results[0]["per_mb"]}
 
 
