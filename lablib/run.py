@@ -43,18 +43,6 @@ def lab_names() -> dict[str, object]:
     return out
 
 
-def _cpu(value):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    return value
-
-
 class RankPool:
     """What a check's ``collect`` needs of a ``Cluster``, on the ranks torchrun started: ``run(fn, *args)``
     runs ``fn`` on this rank, and every rank gets every rank's value, in rank order (a ``RankError``,
@@ -71,6 +59,7 @@ class RankPool:
         import torch.distributed as dist
 
         from .pool import RankError
+        from .pool import protocol as P
         from .pool.failures import failure_message
         from .pool.worker import describe
         from .timeline import RECORDER
@@ -78,19 +67,20 @@ class RankPool:
         dist.barrier()
         self.origin_ns = time.perf_counter_ns()
         RECORDER.start()
-        try:
-            value, failure = _cpu(fn(*args, **kwargs)), None
+        try:  # shipped as a Cluster's ranks ship their values: tensors come back on the CPU
+            value, failure = P.ship(fn(*args, **kwargs), to_cpu=True), None
         except Exception as exc:  # noqa: BLE001 - it goes to rank 0's report, as from a Cluster
             value, failure = None, describe(exc)
         self.spans = RECORDER.stop()
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, (value, failure))
+        values = [None if v is None else P.unship(v) for v, _ in everyone]
         failures = {r: f for r, (_, f) in enumerate(everyone) if f is not None}
         if failures:
             done = [r for r in range(self.world_size) if r not in failures]
             raise RankError(failure_message(failures, done, "", self.world_size, self.timeout), failures,
-                            results=[v for v, _ in everyone])
-        return [v for v, _ in everyone]
+                            results=values)
+        return values
 
 
 def clock_offsets(rounds: int = 8) -> dict[int, tuple[int, int]]:

@@ -71,7 +71,7 @@ def test_every_lab_runs_on_two_nodes_and_merges_one_trace(lab, tmp_path):
     timeline = Timeline.load(trace)
     assert timeline.world_size == 4 and {s.rank for s in timeline.spans} == {0, 1, 2, 3}
     assert any(s.kind == "comm" for s in timeline.spans)
-    assert 0 < timeline.clock_error < 0.05  # half the fastest round trip to rank 0, on loopback
+    assert 0 < timeline.clock_error < 1.0  # half the slowest best round trip to rank 0: small on loopback, even busy
     assert timeline.figure().data
 
 

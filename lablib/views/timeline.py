@@ -131,10 +131,10 @@ def _bars(timeline, show_legend=True, label_min=0.03, shown: set | None = None):
             x=[(moving_from[id(s)] + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
             mode="text", text=[label(s) for s in wide], textfont=dict(color="white", size=10), hoverinfo="skip",
             showlegend=False, name="labels"))
-    traces += _arrows(timeline, show_legend and "message" not in shown)
-    if timeline.messages():
+    arrows = _arrows(timeline, show_legend and "message" not in shown)
+    if arrows:
         shown.add("message")
-    return traces
+    return traces + arrows
 
 
 def _arrows(timeline, show_legend):
