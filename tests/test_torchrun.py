@@ -56,7 +56,13 @@ def _nodes(lab: str, tmp_path: Path, *extra, nodes: int = 2, started: int = 2, l
     logs = [tmp_path / f"node{k}.log" for k in range(started)]
     procs = [_start(args + ["-m", "lablib.run", lab, *extra], log) for log in logs]
     codes = _finish(procs, limit)
-    return codes, "\n".join(log.read_text() for log in logs)
+    texts = [log.read_text() for log in logs]
+    # torchrun's own race at the end: when the node hosting the rendezvous store exits first, the other
+    # node's agent (not its ranks, which finished) may fail to reach the store and exit 1. Its ranks' work
+    # is judged by rank 0's output; an agent whose ranks failed says ChildFailedError.
+    codes = [0 if code == 1 and "ChildFailedError" not in text and "Connection was likely closed" in text else code
+             for code, text in zip(codes, texts)]
+    return codes, "\n".join(texts)
 
 
 @pytest.mark.parametrize("lab", [lab.notebook.split("_")[1] for lab in LABS])
