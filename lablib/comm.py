@@ -2,7 +2,8 @@
 
 Same arguments as ``torch.distributed``; ``name=`` labels the span. Synchronous calls are timed from
 call to return; ``async_op=True`` calls return a ``Work`` whose span runs from issue to completion
-(seen by a callback on the work's future, not by when ``wait()`` was called).
+(seen by a callback on the work's future, or for Gloo's sends and recvs, which have none, by a thread
+that waits on the work; not by when ``wait()`` was called).
 
 ``bytes`` on a span is the tensor this rank contributes (for an all-gather, its input: nccl-tests'
 "size" is the whole output); what crosses the wire depends on the algorithm and is the subject of
@@ -14,11 +15,15 @@ kernel's count, /proc/self/io), and ``bytes_on_wire`` adds those up.
 collective still moves the data (results stay real), at once and off the clock (the rank's span clock
 pauses while it runs), and the span lasts what the link would take under lab 02's α-β model, from the
 moment the last rank issued it; a link carries one collective at a time (point-to-point messages
-keep their real time). Compute stays real and measured. On a CPU, where Gloo's copies compete with compute for the same cores, this shows what
-overlap gives with a link that has its own engine (NCCL on its own CUDA stream, an RDMA NIC).
+keep their real time). Compute stays real and measured. On a CPU, where Gloo's copies compete with
+compute for the same cores, this shows the ideal case: a link that moves data at no cost to the
+compute. (On a GPU, NCCL runs each collective as a kernel on some of the GPU's SMs, beside the compute
+kernels: the overlap is real, but communication takes SMs and memory bandwidth from compute.)
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,16 +48,32 @@ def device() -> torch.device:
 
 class Work:
     """Wraps a ``torch.distributed`` work handle so its span closes when the work completes (under a
-    simulated link: at ``end``, ns on the span clock). ``waited``: whether ``wait()`` was called."""
+    simulated link: at ``end``, ns on the span clock), not when ``wait()`` happens to be called.
+    ``waited``: whether ``wait()`` was called.
+
+    Gloo's send and recv works have no future: a watcher thread waits on them instead (``_WATCHER``),
+    so a message's bar ends when it was delivered even if the program waits for its handle much later
+    (lab 05's executor waits for its sends at the end of the step). ``wait()`` then waits for the
+    watcher, and ``done_at`` says when the work completed (ns on the span clock)."""
 
     def __init__(self, work, trace: AsyncSpan, end: int | None = None, target=None):
         self._work, self._span, self._end, self._target = work, trace, end, target
-        self._waited = False
+        self._waited, self._done, self._error, self.done_at = False, None, None, None
         if end is None:
             try:
-                work.get_future().add_done_callback(trace.close)
-            except (RuntimeError, AttributeError):  # some backends' send/recv works have no future
-                pass
+                work.get_future().add_done_callback(self._complete)
+            except (RuntimeError, AttributeError):  # Gloo's send/recv works have no future
+                self._done = threading.Event()
+                _WATCHER.watch(work, self._watched)
+
+    def _complete(self, *_):
+        self.done_at = _now()
+        self._span.close(at=self.done_at)
+
+    def _watched(self, error):
+        self._error = error
+        self._complete()
+        self._done.set()
 
     @property
     def op(self) -> str | None:
@@ -73,21 +94,64 @@ class Work:
         return self._target
 
     def wait(self, *args):
-        if self._end is None:
-            out = self._work.wait(*args)
-            self._span.close()
-        else:  # the data is here already; the link would still be busy until _end
-            out = True
+        if self._end is not None:  # the data is here already; the link would still be busy until _end
             _sleep_until(self._end)
             self._span.close(at=self._end)
+            self._waited = True
+            return True
+        if self._done is not None:
+            timeout = args[0] if args else None
+            if not self._done.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout):
+                raise RuntimeError(f"{self._span.name}: not completed within {timeout}")
+            if self._error is not None:
+                raise self._error
+            out = True
+        else:
+            out = self._work.wait(*args)
+        self._span.close()  # a no-op where the completion closed it already
         self._waited = True
         return out
 
     def is_completed(self):
-        return self._work.is_completed() if self._end is None else _now() >= self._end
+        if self._end is not None:
+            return _now() >= self._end
+        return self._done.is_set() if self._done is not None else self._work.is_completed()
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+class _Watcher:
+    """Threads that wait on works without a future and report when each completed. A thread for each
+    work in flight (idle ones are reused), so no message's completion is seen late because another,
+    undelivered one holds the thread."""
+
+    def __init__(self):
+        self._lock, self._idle, self._queue = threading.Lock(), 0, queue.SimpleQueue()
+
+    def watch(self, work, done) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:
+                threading.Thread(target=self._loop, name="lablib-work-watcher", daemon=True).start()
+        self._queue.put((work, done))
+
+    def _loop(self):
+        while True:
+            work, done = self._queue.get()
+            try:
+                work.wait()
+                error = None
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the handle
+                error = exc
+            done(error)
+            del work, done
+            with self._lock:
+                self._idle += 1
+
+
+_WATCHER = _Watcher()
 
 
 # Bytes one rank sends, as a fraction of a collective's full size S, in the bandwidth-optimal ring
@@ -350,6 +414,13 @@ def barrier(group=None, name="barrier"):
 
 
 def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
+    n, me = dist.get_world_size(), dist.get_rank()
+    called = f"lablib.{'i' if async_op else ''}{op} {'to' if op == 'send' else 'from'} rank {peer}"
+    if not 0 <= peer < n:  # Gloo would wait for a rank that never joins, then fail with a store timeout
+        raise ValueError(f"{called}, but the world has {n} ranks (0 to {n - 1}): to wrap around, take the peer % "
+                         f"world_size, e.g. (rank + 1) % {n}")
+    if peer == me:  # nothing would ever match it
+        raise ValueError(f"{called}: that is this rank itself; a message goes to another rank")
     default = f"send to {peer}" if op == "send" else f"recv from {peer}"
     if tag:
         meta["tag"] = tag

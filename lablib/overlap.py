@@ -4,12 +4,14 @@ it sat idle. One definition, used by ``Timeline.summary()`` and drawn under ever
 
 Communication is the time a collective or a message is actually under way. A rank that enters a
 collective (or a recv) before its last peer has even issued its side is *waiting*, not communicating:
-a pipeline bubble looks exactly like this. So each comm span is cut in two:
+a pipeline bubble looks exactly like this. So is a collective still queued behind the rank's earlier
+ones (Gloo runs two at a time, first come first served), where ``lablib.timed`` recorded when the
+backend began it. So each comm span is cut in up to three: queued, waiting for a peer, moving:
 
 - point to point: the k-th send from a to b is matched with the k-th recv on b from a; neither side
   can move data before both have posted, so each side waits until the later of the two starts;
 - collectives: the k-th collective of an op on every rank is one call; it waits until the last rank
-  entered it (when every rank recorded the same number of calls of that op).
+  was running it (when every rank recorded the same number of calls of that op).
 
 Overlap on a CPU is measured, not promised: Gloo's copies run on the same cores as the compute, so a
 comm span "hidden" under compute may still have slowed that compute down. Where two runs are compared,
@@ -80,10 +82,12 @@ def messages(spans) -> list[tuple]:
 
 
 def ready_times(spans, world_size: int) -> dict[int, float]:
-    """For each comm span (by id), when its data could start moving: the latest start of its partners."""
+    """For each comm span (by id), when its data could start moving: the latest moment its partners
+    (itself included) were running it (``Span.running``: issued, or begun by the backend where that is
+    known)."""
     ready = {}
     for send, recv in messages(spans):
-        ready[id(send)] = ready[id(recv)] = max(send.start, recv.start)
+        ready[id(send)] = ready[id(recv)] = max(send.running, recv.running)
     calls = defaultdict(lambda: defaultdict(list))  # op -> rank -> spans in order
     for s in sorted(spans, key=lambda s: s.start):
         op = s.meta.get("op")
@@ -94,21 +98,35 @@ def ready_times(spans, world_size: int) -> dict[int, float]:
         if len(by_rank) != world_size or len(counts) != 1:
             continue  # not every rank called it the same number of times: no matching to trust
         for k in range(counts.pop()):
-            last = max(by_rank[r][k].start for r in by_rank)
+            last = max(by_rank[r][k].running for r in by_rank)
             for r in by_rank:
                 ready[id(by_rank[r][k])] = last
     return ready
 
 
+def phases(spans, world_size: int) -> dict[int, tuple[float, float]]:
+    """For each comm span (by id), ``(running, moving)``: it was queued from its start to ``running``
+    (behind the rank's earlier collectives, where ``lablib.timed`` saw it), waited for a peer from there
+    to ``moving``, and moved data from ``moving`` to its end."""
+    ready = ready_times(spans, world_size)
+    out = {}
+    for s in spans:
+        if s.kind == "comm":
+            running = s.running
+            out[id(s)] = running, min(max(ready.get(id(s), running), running), s.end)
+    return out
+
+
 # -- the numbers --------------------------------------------------------------------------------------
 def breakdown(spans, world_size: int) -> dict[int, dict[str, float]]:
-    """Seconds per rank: compute, comm (hidden + exposed), hidden, exposed, waiting, idle, and the
-    overlap fraction hidden / comm. Idle is the rest of the job's window (first to last span of any
+    """Seconds per rank: compute, comm (hidden + exposed: data moving), hidden, exposed, waiting (in a
+    collective or recv, not computing, with no data moving: queued, or waiting for a peer), idle, and
+    the overlap fraction hidden / comm. Idle is the rest of the job's window (first to last span of any
     rank) and includes waiting."""
     spans = [s for s in spans if s.kind in ("compute", "comm")]
     lo = min((s.start for s in spans), default=0.0)
     hi = max((s.end for s in spans), default=0.0)
-    ready = ready_times(spans, world_size)
+    cut = phases(spans, world_size)
     out = {}
     for r in range(world_size):
         mine = [s for s in spans if s.rank == r]
@@ -117,8 +135,8 @@ def breakdown(spans, world_size: int) -> dict[int, dict[str, float]]:
         for s in mine:
             if s.kind != "comm":
                 continue
-            t = min(max(ready.get(id(s), s.start), s.start), s.end)
-            waiting.append((s.start, t))
+            t = cut[id(s)][1]
+            waiting.append((s.start, t))  # queued or waiting for a peer: no data moved
             moving.append((t, s.end))
         moving = union(moving)
         hidden = length(intersect(moving, compute))

@@ -19,6 +19,7 @@ Chrome-trace JSON with flow arrows for Perfetto (https://ui.perfetto.dev) or chr
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -98,6 +99,9 @@ class span:
         return False
 
 
+_CLOSING = threading.Lock()
+
+
 class AsyncSpan:
     """A span opened now and closed later, from whichever thread sees the work complete.
 
@@ -105,18 +109,20 @@ class AsyncSpan:
     from the compute it overlaps with.
     """
 
-    __slots__ = ("name", "kind", "bytes", "meta", "t0", "closed")
+    __slots__ = ("name", "kind", "bytes", "meta", "t0", "closed", "_into")
 
     def __init__(self, name, kind="comm", bytes=None, **meta):
         self.name, self.kind, self.bytes, self.meta = name, kind, bytes, meta
         self.t0, self.closed = _now(), False
+        self._into = RECORDER.spans  # its own job's spans: one that completes late never lands in the next job's
 
     def close(self, *_, at: int | None = None):
         """Close now, or at ``at`` (ns on this rank's clock: a simulated link's completion)."""
-        if self.closed:
-            return
-        self.closed = True
-        spans = RECORDER.spans
+        with _CLOSING:  # the backend's thread and wait() may both close it
+            if self.closed:
+                return
+            self.closed = True
+        spans = self._into
         if spans is not None:
             spans.append(RawSpan(self.name, self.kind, self.t0, at or _now(), 0, self.bytes, True, self.meta))
 
@@ -132,10 +138,17 @@ class Span:
     bytes: int | None = None
     is_async: bool = False
     meta: dict = field(default_factory=dict)
+    runs_from: float | None = None  # when the backend began running this collective (None: not known)
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def running(self) -> float:
+        """When the work itself began: ``runs_from`` where the backend's own record says (before it, the
+        collective was queued behind others this rank had issued), else the start."""
+        return self.start if self.runs_from is None else min(max(self.runs_from, self.start), self.end)
 
 
 class Timeline:
@@ -153,8 +166,11 @@ class Timeline:
         spans = []
         for rank, raw in raw_by_rank.items():
             off = offsets.get(rank, 0) + origin_ns
-            spans += [Span(rank, r.name, r.kind, (r.t0 - off) / 1e9, (r.t1 - off) / 1e9, r.depth, r.bytes, r.is_async,
-                           dict(r.meta)) for r in raw]
+            for r in raw:
+                meta = dict(r.meta)
+                ran = meta.pop("ran_ns", None)  # profiling.timed: when the backend ran it
+                spans.append(Span(rank, r.name, r.kind, (r.t0 - off) / 1e9, (r.t1 - off) / 1e9, r.depth, r.bytes,
+                                  r.is_async, meta, None if ran is None else (ran - off) / 1e9))
         return cls(spans, world_size, **kw)
 
     # -- numbers (overlap.py) -------------------------------------------------------------------
@@ -214,6 +230,8 @@ class Timeline:
         for s in self.spans:
             args = {k: v for k, v in s.meta.items() if isinstance(v, (int, float, str, bool))}
             args.update({k: v for k, v in (("bytes", s.bytes), ("depth", s.depth), ("async", s.is_async)) if v})
+            if s.runs_from is not None:
+                args["queued_us"] = round((s.running - s.start) * 1e6, 3)
             events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": s.rank, "tid": int(s.kind == "comm"),
                            "ts": round(s.start * 1e6, 3), "dur": round(s.duration * 1e6, 3), "args": args})
         for k, (send, recv) in enumerate(self.messages()):
@@ -236,9 +254,10 @@ class Timeline:
                 continue
             meta = dict(e.get("args") or {})
             nbytes, depth, is_async = meta.pop("bytes", None), meta.pop("depth", 0), meta.pop("async", False)
+            queued = meta.pop("queued_us", None)
             start = e["ts"] / 1e6
             spans.append(Span(int(e["pid"]), e["name"], e["cat"], start, start + e["dur"] / 1e6, depth, nbytes,
-                              is_async, meta))
+                              is_async, meta, None if queued is None else start + queued / 1e6))
         info = trace.get("otherData") or {}
         ranks = info.get("world_size") or 1 + max((s.rank for s in spans), default=0)
         return cls(spans, int(ranks), float(info.get("clock_error", 0.0)), str(info.get("title", "")))

@@ -1,7 +1,7 @@
 """The overlap numbers on hand-made span sets whose answers are known (lablib.overlap)."""
 import pytest
 
-from lablib.overlap import breakdown, intersect, length, messages, op_of, union
+from lablib.overlap import breakdown, intersect, length, messages, op_of, phases, union
 from lablib.timeline import Span, Timeline
 
 
@@ -63,3 +63,15 @@ def test_summary_and_repr_use_the_same_numbers():
     tl = Timeline([S(0, "F0", "compute", 0, 0.002), S(0, "ar", "comm", 0.002, 0.003, op="all_reduce")], 1)
     assert tl.summary()[0]["exposed"] == pytest.approx(0.001)
     assert "exposed 1.00" in repr(tl) and "overlap 0%" in repr(tl)
+
+
+def test_a_collective_queued_behind_others_is_neither_communication_nor_hidden():
+    # rank 0 issued the all-reduce at 0 under compute, but Gloo began it only at 6 (queued behind others);
+    # rank 1 began it at 7: data moved from 7 to 10
+    spans = [S(0, "B1", "compute", 0, 8), Span(0, "ar", "comm", 0, 10, is_async=True, meta={"op": "all_reduce"},
+                                               runs_from=6),
+             Span(1, "ar", "comm", 2, 10, is_async=True, meta={"op": "all_reduce"}, runs_from=7)]
+    rows = breakdown(spans, 2)
+    assert rows[0]["comm"] == pytest.approx(3) and rows[0]["hidden"] == pytest.approx(1)
+    assert rows[1]["comm"] == pytest.approx(3) and rows[1]["waiting"] == pytest.approx(5)
+    assert phases(spans, 2)[id(spans[1])] == pytest.approx((6, 7))  # queued until 6, waiting for rank 1 until 7

@@ -1,8 +1,11 @@
 """PyTorch's own traces in the course's timeline: torch.profiler events become spans on the rank's clock,
 comm ops named by the c10d call that issued them (lablib.profiling)."""
+import pytest
+
 import lablib
 from lablib.profiling import MARK, spans_from_trace
 from lablib.strategies import fsdp
+from lablib.timeline import Timeline
 
 
 def X(name, ts, dur, tid=1):
@@ -55,3 +58,52 @@ def test_a_profiled_job_draws_only_between_steps_begin_and_steps_end(cluster):
     cluster.run(lablib.profiled, _three_all_reduces)
     comm = [s for s in cluster.timeline().spans if s.kind == "comm" and s.rank == 0]
     assert len(comm) == 1 and comm[0].meta.get("op") == "all_reduce"
+
+
+def test_a_collective_learns_when_the_backend_ran_it_from_the_profiler():
+    from lablib.profiling import backend_runs, mark_runs
+    from lablib.timeline import RawSpan
+
+    main, worker = 1, 2
+    events = [X(MARK, 1000.0, 0.5), X("c10d::barrier", 1001.0, 0.1),   # an untraced call: no span of its own
+              X("c10d::allreduce_", 1010.0, 0.2), X("c10d::_allgather_base_", 1011.0, 0.2),
+              X("c10d::send", 1015.0, 0.2), X("gloo:send", 1015.1, 9.0),  # point to point: on the main thread
+              X("gloo:barrier", 1001.05, 0.5, tid=worker), X("gloo:all_reduce", 1010.1, 8.0, tid=worker),
+              X("gloo:all_gather", 1018.2, 2.0, tid=worker)]          # queued until the all-reduce was done
+    runs = backend_runs(events, mark_ns=5_000_000)
+    assert [(r[0], r[1], r[3]) for r in runs] == [(5_001_000, 5_001_050, "barrier"), (5_010_000, 5_010_100, "all_reduce"),
+                                                  (5_011_000, 5_018_200, "all_gather")]
+    # lablib's async reduce-scatter on Gloo is an all-reduce; each span opens just before its call
+    spans = [RawSpan("rs", "comm", 5_009_990, 5_018_100, 0, 8, True, {"op": "reduce_scatter"}),
+             RawSpan("ag", "comm", 5_010_990, 5_020_200, 0, 8, True, {"op": "all_gather"}),
+             RawSpan("s", "comm", 5_014_990, 5_024_000, 0, 8, True, {"op": "send", "peer": 1}),
+             RawSpan("F0", "compute", 5_011_500, 5_016_000, 0, None, False, {})]
+    marked = mark_runs(spans, runs)
+    assert [s.meta.get("ran_ns") for s in marked] == [5_010_100, 5_018_200, None, None]
+    tl = Timeline.from_raw({0: marked}, {0: 0}, 5_000_000, 1)
+    ag = next(s for s in tl.spans if s.name == "ag")
+    assert ag.running == pytest.approx(18.2e-6) and ag.start == pytest.approx(10.99e-6)  # s since the origin
+
+
+def _queued():
+    import torch
+
+    big = [torch.ones(4_000_000) for _ in range(4)]  # 16 MB each: Gloo's two threads take a while for each
+    works = [lablib.all_reduce(t, async_op=True, name=f"ar{k}") for k, t in enumerate(big)]
+    for w in works:
+        w.wait()
+
+
+def test_timed_jobs_show_collectives_queued_behind_gloo_s_two_threads(cluster):
+    cluster.run(lablib.timed, _queued)
+    tl = cluster.timeline()
+    spans = {s.name: s for s in tl.spans if s.rank == 0}
+    assert all(s.runs_from is not None for s in spans.values())
+    # two run at once; the third waits until one of them is done, the fourth after the third began
+    assert spans["ar2"].running > spans["ar2"].start
+    assert spans["ar2"].running >= min(spans["ar0"].end, spans["ar1"].end) - 0.002
+    assert spans["ar3"].running >= spans["ar2"].running
+    row = tl.summary()[0]
+    assert row["comm"] < sum(s.duration for s in spans.values())  # queued time is not communication
+    fig = tl.figure()
+    assert any(t.name == "queued (behind earlier collectives)" for t in fig.data)

@@ -174,3 +174,38 @@ def test_a_chrome_trace_loads_back_into_the_same_timeline(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ValueError, match="not a Chrome trace"):
         Timeline.load(tmp_path / "bad.json")
+
+
+def _late_waits():
+    r = dist.get_rank()
+    t = torch.ones(1024)  # 4 KB
+    if r == 0:
+        work = lablib.isend(t, 1, name="early send")
+        time.sleep(0.4)   # the peer received it long ago
+        work.wait()
+    elif r == 1:
+        work = lablib.irecv(t, 0, name="early recv")
+        time.sleep(0.4)
+        work.wait()
+    lablib.barrier()
+
+
+def test_a_message_s_bars_end_when_it_was_delivered_not_when_its_handle_was_waited(cluster):
+    cluster.run(_late_waits)
+    spans = {s.name: s for s in cluster.timeline().spans}
+    send, recv = spans["early send"], spans["early recv"]
+    assert send.duration < 0.2 and recv.duration < 0.2  # not the 0.4 s until wait()
+    assert send.end <= recv.end + 0.05   # a send is done once its peer has the data
+
+
+def test_a_plan_has_no_comm_lanes_and_a_rank_s_later_stage_is_outlined_and_named():
+    # rank 0 of 2 holds stages 0 and 2 (interleaved): its stage-2 bars are outlined and labelled with the stage
+    spans = [Span(0, "F0 on stage 0", "compute", 0.000, 0.010, meta={"op": "forward", "label": "F0", "stage": 0}),
+             Span(0, "F0 on stage 2", "compute", 0.010, 0.020, meta={"op": "forward", "label": "F0", "stage": 2}),
+             Span(1, "F0 on stage 1", "compute", 0.005, 0.015, meta={"op": "forward", "label": "F0", "stage": 1})]
+    fig = Timeline(spans, 2).figure(numbers=False)
+    assert list(fig.layout.yaxis.ticktext) == ["rank 0", "rank 1"]
+    outline = [t for t in fig.data if t.name == "outlined: a rank's later stage"]
+    assert len(outline) == 1 and [x for x in outline[0].x if x is not None] == [10.0, 15.0, 20.0]
+    (labels,) = [t for t in fig.data if t.name == "labels"]
+    assert sorted(labels.text) == ["F0", "F0·s0", "F0·s2"]  # rank 1 holds one stage: no stage in its label

@@ -1,7 +1,9 @@
 """Drawing timelines: per rank a compute lane and a communication lane, a colour per operation, short
 labels on wide bars, messages as arrows from send to matching recv, and the overlap numbers under the
 chart. Idle is what is not drawn: the gaps. The part of a collective or a recv spent before the last
-peer arrived is drawn light grey ("waiting for a peer"), apart from the transfer.
+peer arrived is drawn light grey ("waiting for a peer"), apart from the transfer, and a collective
+still queued behind the rank's earlier ones (where ``lablib.timed`` saw when the backend began it) is
+a thin line in its colour.
 
 Bars are thick WebGL line segments (``scattergl``), not shapes or SVG bars, so a 10,000-span pipeline
 run still draws and zooms at once (benchmarks/bench_timeline.py measures it). Colours are the
@@ -15,7 +17,7 @@ import re
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..overlap import op_of, ready_times
+from ..overlap import op_of, phases
 
 # op: (colour, label prefix, legend name)
 OPS = {
@@ -34,8 +36,10 @@ OPS = {
     "comm": ("#AA4499", "", "comm"),
     "idle": ("#DDDDDD", "", "marked idle"),
     "waiting": ("#D9D9D9", "", "waiting for a peer"),
+    "outline": ("#222222", "", "outline"),
 }
 LANES = ("compute", "comm")
+LEGENDS = {"queued": "queued (behind earlier collectives)", "later": "outlined: a rank's later stage"}
 ARROW_LIMIT = 400  # more messages than this are drawn as plain lines (SVG arrows get slow)
 _NUMBER = re.compile(r"(?:unit|layer|L|chunk|step|mb|micro-?batch)\s*(\d+)", re.I)
 
@@ -49,9 +53,11 @@ def fmt_bytes(n):
         n /= 1000
 
 
-def lane_y(rank: int, lane: str) -> int:
-    """Rank r's compute lane is row 3r, its comm lane 3r + 1; row 3r + 2 is the gap to the next rank."""
-    return 3 * rank + LANES.index(lane)
+def lane_y(rank: int, lane: str, compact: bool = False) -> int:
+    """Rank r's compute lane is row 3r, its comm lane 3r + 1; row 3r + 2 is the gap to the next rank.
+    ``compact`` (a timeline with no communication, such as a planned schedule): no comm lanes, rank r's
+    compute lane is row 2r."""
+    return 2 * rank if compact else 3 * rank + LANES.index(lane)
 
 
 # Sends and recvs often run at once (isend + irecv), and so do asynchronous all-gathers and
@@ -67,9 +73,27 @@ def half(span) -> float | None:
     return HALF.get(op_of(span), ASYNC_HALF.get(op_of(span)) if span.is_async else None)
 
 
-def span_y(span) -> float:
-    lane = lane_y(span.rank, "comm" if span.kind == "comm" else "compute")
+def span_y(span, compact: bool = False) -> float:
+    lane = lane_y(span.rank, "comm" if span.kind == "comm" else "compute", compact)
     return lane + (half(span) or 0.0)
+
+
+def compact(timeline) -> bool:
+    """Whether a timeline has nothing to draw in comm lanes (a planned schedule): then it has none."""
+    return not any(s.kind == "comm" for s in timeline.spans)
+
+
+def later_stage(span, world_size: int) -> bool:
+    """A bar of a rank's second (or later) pipeline stage, in interleaved schedules (stage s on rank s % p):
+    drawn outlined, so a rank's two stages differ at a glance."""
+    stage = span.meta.get("stage")
+    return isinstance(stage, int) and stage >= world_size
+
+
+def fits(text: str, width: float) -> bool:
+    """Whether ``text`` fits on a bar ``width`` of the chart's width long (10 px type on a chart about
+    950 px wide: some 6 px a character)."""
+    return width * 950 >= 6 * len(text) + 4
 
 
 def label(span) -> str:
@@ -89,49 +113,69 @@ def label(span) -> str:
     return f"{prefix}{number}"
 
 
-def _bars(timeline, show_legend=True, label_min=0.03, shown: set | None = None):
+def _bars(timeline, show_legend=True, shown: set | None = None):
     """The traces of one timeline: one WebGL trace per op, and one trace of labels. ``shown``: the ops
     already in the legend (several timelines in one figure list each op once)."""
     shown = set() if shown is None else shown
+    flat = compact(timeline)
     spans = [s for s in timeline.spans if s.kind in ("compute", "comm", "idle")]
     total = timeline.duration or 1.0
-    ready = ready_times(spans, timeline.world_size)
+    cut = phases(spans, timeline.world_size)
     by_op: dict[str, list] = {}
     moving_from = {}  # where each span's own bar (and label) starts
     for s in spans:
         op = op_of(s) if op_of(s) in OPS else s.kind
-        t = min(max(ready.get(id(s), s.start), s.start), s.end)
-        if t > s.start:  # the part before the last peer arrived is waiting, drawn apart from the transfer
-            by_op.setdefault("waiting" + ("/half" if half(s) is not None else ""), []).append((s, s.start, t))
-        by_op.setdefault(op + ("/half" if half(s) is not None else ""), []).append((s, t, s.end))
+        thin = "/half" if half(s) is not None else ""
+        running, t = cut.get(id(s), (s.start, s.start))
+        if running > s.start:  # queued behind this rank's earlier collectives: a thin line in the op's colour
+            by_op.setdefault(op + "/queued", []).append((s, s.start, running))
+        if t > running:  # the part before the last peer arrived is waiting, drawn apart from the transfer
+            by_op.setdefault("waiting" + thin, []).append((s, running, t))
+        by_op.setdefault(op + thin, []).append((s, t, s.end))
+        if not thin and later_stage(s, timeline.world_size):  # an outline under the bar: drawn first
+            by_op.setdefault("outline/later", []).append((s, t, s.end))
         moving_from[id(s)] = t
     traces = []
-    for key, group in by_op.items():
-        op, thin = key.split("/")[0], key.endswith("/half")
+    for key, group in sorted(by_op.items(), key=lambda item: item[0] != "outline/later"):
+        op, style = key.split("/")[0], key.partition("/")[2]
         colour, _, name = OPS[op]
         xs, ys, texts = [], [], []
         for s, start, end in group:
-            y = span_y(s)
-            what = f"waiting for a peer in {s.name}" if op == "waiting" else s.name
+            y = span_y(s, flat)
+            what = {"queued": f"queued: {s.name} waits for the rank's earlier collectives"}.get(
+                style, f"waiting for a peer in {s.name}" if op == "waiting" else s.name)
             hover = (f"<b>{what}</b><br>rank {s.rank}, {OPS.get(op_of(s), OPS['comm'])[2]}<br>"
                      f"start {start * 1e3:.3f} ms<br>duration {(end - start) * 1e3:.3f} ms"
-                     + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes and op != "waiting" else "")
+                     + (f"<br>{fmt_bytes(s.bytes)}" if s.bytes and op != "waiting" and style != "queued" else "")
                      + (f"<br>simulated link: {s.meta['simulated']}" if s.meta.get("simulated") else ""))
             xs += [start * 1e3, (start + end) / 2 * 1e3, end * 1e3, None]
             ys += [y, y, y, None]
             texts += [hover, hover, hover, None]
-        first = op not in shown  # one legend entry per op
-        shown.add(op)
-        traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=name, legendgroup=op, showlegend=show_legend and first,
-                                   line=dict(color=colour, width=7 if thin else 14), text=texts,
-                                   hovertemplate="%{text}<extra></extra>", connectgaps=False))
-    wide = [s for s in spans if s.duration >= label_min * total and s.depth == 0 and half(s) is None and label(s)]
-    if wide:
+        legend = style if style in ("queued", "later") else op
+        first = legend not in shown  # one legend entry per op, one for every queued line, one for later stages
+        shown.add(legend)
+        width = {"queued": 3, "half": 7, "later": 19}.get(style, 14)
+        traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=LEGENDS.get(style, name), legendgroup=legend,
+                                   showlegend=show_legend and first, text=texts, hovertemplate="%{text}<extra></extra>",
+                                   line=dict(color=colour, width=width), connectgaps=False))
+    # a label sits on the bar's coloured part, and only where that part is wide enough to hold it; a rank's
+    # later stages name their stage ("F3·s2") where there is room
+    several = {s.rank for s in spans if later_stage(s, timeline.world_size)}  # ranks that hold several stages
+    texts = []
+    for s in spans:
+        width = (s.end - moving_from[id(s)]) / total
+        text = label(s) if s.depth == 0 and half(s) is None else ""
+        if text and s.rank in several and "stage" in s.meta:
+            longer = f"{text}·s{s.meta['stage']}"
+            text = longer if fits(longer, width) else text
+        if text and fits(text, width):
+            texts.append((s, text))
+    if texts:
         traces.append(go.Scattergl(
-            x=[(moving_from[id(s)] + s.end) / 2 * 1e3 for s in wide], y=[span_y(s) for s in wide],
-            mode="text", text=[label(s) for s in wide], textfont=dict(color="white", size=10), hoverinfo="skip",
+            x=[(moving_from[id(s)] + s.end) / 2 * 1e3 for s, _ in texts], y=[span_y(s, flat) for s, _ in texts],
+            mode="text", text=[t for _, t in texts], textfont=dict(color="white", size=10), hoverinfo="skip",
             showlegend=False, name="labels"))
-    arrows = _arrows(timeline, show_legend and "message" not in shown)
+    arrows = [] if flat else _arrows(timeline, show_legend and "message" not in shown)
     if arrows:
         shown.add("message")
     return traces + arrows
@@ -157,10 +201,12 @@ def _arrows(timeline, show_legend):
     return [go.Scattergl(**common)]
 
 
-def _axis(fig, world_size, row=None, col=None):
-    ticks = [lane_y(r, lane) for r in range(world_size) for lane in LANES]
-    text = [f"rank {r} {lane}" for r in range(world_size) for lane in LANES]
-    fig.update_yaxes(tickmode="array", tickvals=ticks, ticktext=text, range=[3 * world_size - 1.5, -0.6],
+def _axis(fig, world_size, row=None, col=None, flat=False):
+    lanes = ("compute",) if flat else LANES
+    ticks = [lane_y(r, lane, flat) for r in range(world_size) for lane in lanes]
+    text = [f"rank {r}" if flat else f"rank {r} {lane}" for r in range(world_size) for lane in lanes]
+    fig.update_yaxes(tickmode="array", tickvals=ticks, ticktext=text,
+                     range=[(2 if flat else 3) * world_size - (1.4 if flat else 1.5), -0.6],
                      zeroline=False, showgrid=False, row=row, col=col)
 
 
@@ -178,7 +224,8 @@ def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
     """One timeline: lanes per rank, ops in colour, messages as arrows, and (``numbers``) the per-rank
     overlap numbers in a table under it."""
     n = timeline.world_size
-    chart_h = 90 + 62 * n
+    flat = compact(timeline)
+    chart_h = 90 + (40 if flat else 62) * n
     if numbers:
         table_h = 40 + 24 * n
         fig = make_subplots(rows=2, cols=1, vertical_spacing=80 / (chart_h + table_h + 80), row_heights=[chart_h, table_h],
@@ -186,12 +233,12 @@ def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
         for t in _bars(timeline):
             fig.add_trace(t, row=1, col=1)
         fig.add_trace(_table(timeline), row=2, col=1)
-        _axis(fig, n, row=1, col=1)
+        _axis(fig, n, row=1, col=1, flat=flat)
         fig.update_xaxes(title="time since the job started (ms)", row=1, col=1)
     else:
         table_h = 0
         fig = go.Figure(_bars(timeline))
-        _axis(fig, n)
+        _axis(fig, n, flat=flat)
         fig.update_xaxes(title="time since the job started (ms)")
     fig.update_layout(title=title if title is not None else (timeline.title or "Per-rank timeline"),
                       height=chart_h + table_h + 140, margin=dict(l=110, r=20, t=50, b=10),
@@ -219,16 +266,16 @@ def compare_figure(timelines, titles=None):
     for i, (t, name) in enumerate(zip(timelines, titles)):
         change = "" if i == 0 or not base else f", {100 * (t.duration - base) / base:+.0f}% vs {titles[0]}"
         heads.append(f"{name}: {t.duration * 1e3:.2f} ms{change}")
-    heights = [3 * t.world_size for t in timelines]
+    heights = [(2 if compact(t) else 3) * t.world_size for t in timelines]
     fig = make_subplots(rows=len(timelines), cols=1, shared_xaxes=True, vertical_spacing=0.12 / len(timelines),
                         subplot_titles=heads, row_heights=heights)
     shown: set = set()
     for i, t in enumerate(timelines, start=1):
         for trace in _bars(t, shown=shown):
             fig.add_trace(trace, row=i, col=1)
-        _axis(fig, t.world_size, row=i, col=1)
+        _axis(fig, t.world_size, row=i, col=1, flat=compact(t))
     fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
-    fig.update_layout(height=150 + sum(62 * t.world_size + 40 for t in timelines), margin=dict(l=110, r=20, t=60, b=90),
+    fig.update_layout(height=150 + sum((40 if compact(t) else 62) * t.world_size + 40 for t in timelines), margin=dict(l=110, r=20, t=60, b=90),
                       legend=dict(orientation="h", y=0, yanchor="bottom", x=0, yref="container"),
                       plot_bgcolor="white", title="")
     return fig
