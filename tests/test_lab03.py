@@ -1,6 +1,7 @@
 """Lab 03 (prefetch and overlap): FSDP units driven by hooks against the single-process reference and
 FSDP2, what prefetching holds at each depth, the simulated link against its α-β model, Gloo's
 asynchronous reduce-scatter, and Tasks 3.1-3.3's checks on right answers and typical mistakes."""
+import re
 import time
 
 import pytest
@@ -239,6 +240,14 @@ def test_hook_mistakes_are_named(cluster):
     assert "resize the storage back" in _fails(check_hooks, pre, post, keep, post_backward, cluster=cluster)
     assert "divide it by the world size" in _fails(check_hooks, pre, post, pre, no_average, cluster=cluster)
 
+    def gather_unsized(units, i, ctx):  # all-gathers into the freed buffer: no resize_ first
+        lablib.all_gather(units[i].flat, units[i].shard)
+
+    text = _fails(check_hooks, gather_unsized, post, pre, post_backward, cluster=cluster)
+    assert text.startswith("Task 3.1: your function failed on the ranks. Likely: your pre_forward hook "
+                           "(gather_unsized) all-gathered into a unit's flat buffer while its storage was freed"), text
+    assert "a unit computed" not in text
+
 
 def test_prefetch_mistakes_are_named(cluster):
     def wait_all(units, i, ctx):
@@ -277,6 +286,16 @@ def test_prefetch_mistakes_are_named(cluster):
     assert "gathered once per use" in _fails(check_prefetch, twice, keep_last, backward_ahead, cluster=cluster)
     assert "set unit.work = None after waiting" in _fails(check_prefetch, stale, keep_last, backward_ahead,
                                                           cluster=cluster)
+    def backward_the_forwards_way(units, i, ctx):
+        for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):
+            start(units[j])
+        wait(units[i])
+
+    assert re.search(r"the units holding their full parameters should be \[1, 2\], yours: \[2\]\. The backward runs "
+                     r"the units last to first, so at unit i prefetch_backward gathers i, i-1, \.\.\., i-depth: here "
+                     r"units 2, 1\. Yours gathers the forward's way, i, i\+1, \.\.\.: at pre_backward of unit 1 it "
+                     "gathered unit 2", _fails(check_prefetch, forward_ahead, keep_last, backward_the_forwards_way,
+                                               cluster=cluster))
     assert "exactly ctx.depth" in _fails(check_prefetch, too_far, keep_last, backward_ahead, cluster=cluster)
     assert "yours: none" in _fails(check_prefetch, forward_ahead, post, backward_ahead, cluster=cluster)
 

@@ -166,6 +166,13 @@ def mlp_bias_each_rank(x, w1, b1, w2, b2):
     return Reduce.apply(F.linear(F.gelu(F.linear(Copy.apply(x), w1, b1)), w2, b2))
 
 
+def attention_without_mask(x, wqkv, bqkv, wo, bo, heads):
+    B, T, _ = x.shape
+    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v)
+    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo)) + bo
+
+
 def qkv_block(weight, bias, rank, world_size):
     return weight.chunk(world_size, 0)[rank], bias.chunk(world_size, 0)[rank]
 
@@ -185,6 +192,33 @@ class GatherNoScatterBack(torch.autograd.Function):
 def sp_without_reduce_scatter_back(x, ln_w, ln_b, w1, b1, w2, b2):
     h = GatherNoScatterBack.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))
     return x + Scatter.apply(F.linear(F.gelu(F.linear(h, w1, b1)), w2)) + b2
+
+
+def sp_bias_before_scatter(x, ln_w, ln_b, w1, b1, w2, b2):
+    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))
+    return x + Scatter.apply(F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2))
+
+
+def sp_without_residual(x, ln_w, ln_b, w1, b1, w2, b2):
+    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))
+    return Scatter.apply(F.linear(F.gelu(F.linear(h, w1, b1)), w2)) + b2
+
+
+class ScatterPassingBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.new_empty((x.shape[0] // dist_size(), *x.shape[1:]))
+        lablib.reduce_scatter(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def sp_without_gather_back(x, ln_w, ln_b, w1, b1, w2, b2):
+    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))
+    return x + ScatterPassingBack.apply(F.linear(F.gelu(F.linear(h, w1, b1)), w2)) + b2
 
 
 def sp_with_all_reduce(x, ln_w, ln_b, w1, b1, w2, b2):
@@ -262,16 +296,22 @@ def test_right_answers_pass_every_check(cluster, capsys):
 @pytest.mark.parametrize("check, fns, message", [
     (check_split, (column_by_input, shard_row, row_linear), "split fc1.weight along dim 1"),
     (check_split, (shard_column, row_with_split_bias, row_linear), "keep the whole bias"),
-    (check_split, (shard_column, shard_row, row_bias_first), "holds the bias 2 times"),
+    (check_split, (shard_column, shard_row, row_bias_first), "holds fc2's bias 2 times"),
     (check_split, (shard_column, shard_row, row_no_reduce), "issued no collective; expected exactly all-reduce"),
     (check_mlp, (mlp_without_f,), "backward issued no collective"),
     (check_mlp, (mlp_reducing_twice,), "backward issued all-reduce, all-reduce"),
-    (check_mlp, (mlp_bias_each_rank,), "rank 0's output differs"),
+    (check_mlp, (mlp_bias_each_rank,), "rank 0's output holds fc2's bias 2 times: the bias was added before g"),
     (check_mlp, (mlp_gathering_weights,), "never weights"),
     (check_attention, (qkv_block, tp_attention), "contiguous block of the fused weight's rows"),
+    (check_attention, (shard_qkv, attention_without_mask), "without the causal mask.*is_causal=True"),
     (check_sp, (sp_without_reduce_scatter_back,), "backward issued all-gather; expected exactly all-gather, "
                                                   "reduce-scatter"),
     (check_sp, (sp_with_all_reduce,), "forward issued all-gather, all-reduce"),
+    (check_sp, (sp_bias_before_scatter,), "holds fc2's bias 2 times: the bias was added before Scatter"),
+    (check_sp, (sp_without_residual,), "lacks the residual"),
+    (check_sp, (sp_without_gather_back,), r"Likely: ScatterPassingBack.backward returned a gradient of shape \[\d, 3, "
+                                          r"32\] for input 0 of its forward, whose shape is \[8, 3, 32\].*too short "
+                                          "along dim 0: all-gather"),
 ])
 def test_mistakes_are_named(check, fns, message, cluster):
     with pytest.raises(CheckFailed, match=message.replace("2 times", f"{cluster.world_size} times")):

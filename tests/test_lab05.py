@@ -5,6 +5,7 @@ typical mistakes."""
 import ast
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -107,8 +108,9 @@ def execute(stages, actions):
     _execute(stages, actions, 0)
 
 
-def _execute(stages, actions, grad_tag_off):
-    """The executor; ``grad_tag_off``: receive each gradient under the tag of a stage that many further on."""
+def _execute(stages, actions, grad_tag_off, wrap=True, send=lablib.isend):
+    """The executor; ``grad_tag_off``: receive each gradient under the tag of a stage that many further on;
+    ``wrap=False``: send activations to rank s + 1, not (s + 1) % world_size; ``send``: how it sends."""
     n = torch.distributed.get_world_size()
     split = any(kind == "W" for kind, _, _ in actions)
     sends = []
@@ -121,7 +123,7 @@ def _execute(stages, actions, grad_tag_off):
                 lablib.irecv(x, (s - 1) % n, tag=4 * (1000 * mb + s)).wait()
             y = stage.forward(mb, x)
             if not stage.last:
-                sends.append(lablib.isend(y, (s + 1) % n, tag=4 * (1000 * mb + s + 1)))
+                sends.append(send(y, (s + 1) % n if wrap else s + 1, tag=4 * (1000 * mb + s + 1)))
         elif kind == "B":
             grad = None
             if not stage.last:
@@ -129,11 +131,12 @@ def _execute(stages, actions, grad_tag_off):
                 lablib.irecv(grad, (s + 1) % n, tag=4 * (1000 * mb + s + grad_tag_off) + 1).wait()
             gx = stage.backward(mb, grad, weights=not split)
             if not stage.first:
-                sends.append(lablib.isend(gx, (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
+                sends.append(send(gx, (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
         else:
             stage.backward_weight(mb)
     for work in sends:
-        work.wait()
+        if work is not None:
+            work.wait()
 
 
 # -- typical mistakes ---------------------------------------------------------------------------------------
@@ -173,9 +176,34 @@ def validate_always_fine(schedule, m, v=1):
     return None
 
 
+def validate_twice_first(schedule, m, v=1):
+    """Rules 1 and 2 swapped: looks for an action listed twice before one that cannot be on its rank."""
+    p, stages, seen = len(schedule), len(schedule) * v, set()
+    for r, row in enumerate(schedule):
+        for i, a in enumerate(row):
+            if a in seen:
+                return (r, i, "twice")
+            seen.add(a)
+    for r, row in enumerate(schedule):
+        for i, (kind, mb, s) in enumerate(row):
+            if not 0 <= s < stages or s % p != r or not 0 <= mb < m:
+                return (r, i, "not on this rank")
+    return validate(schedule, m, v)
+
+
 def execute_wrong_tag(stages, actions):
     """Receives each gradient under the tag of the stage after: its send never comes."""
     _execute(stages, actions, 1)
+
+
+def execute_unwrapped(stages, actions):
+    """Sends activations to rank s + 1: past the last rank when the stages wrap around (interleaved)."""
+    _execute(stages, actions, 0, wrap=False)
+
+
+def execute_blocking_send(stages, actions):
+    """Blocking sends: 1F1B's rank 0 sends F1 while rank 1 sends B0, each waiting for the other to receive."""
+    _execute(stages, actions, 0, send=lablib.send)
 
 
 def execute_full_backward(stages, actions):
@@ -218,7 +246,7 @@ def test_the_validator_names_the_first_action_that_cannot_run():
     want = {"stage 0's forward listed on rank 1": (1, 1), "a backward listed twice": (0, 4),
             "a backward missing": (1, 3), "a deadlock: each rank waits for the other": (0, 1),
             "a backward before its own forward": (0, 2), "a W before its B": (0, 2),
-            "a micro-batch out of range": (0, 1)}
+            "a micro-batch out of range": (0, 1), "a micro-batch out of range, listed twice": (1, 1)}
     for schedule, m, v, what in _bank():
         problem = sc.validate(schedule, m, v)
         if what in want:
@@ -228,6 +256,11 @@ def test_the_validator_names_the_first_action_that_cannot_run():
             assert problem is None, (what, problem)
     deadlock = _bank()[7][0]
     assert "can never start: it needs B0 of stage 1" in sc.validate(deadlock, 2).reason
+    # the explanation goes to the root: rank 1's B0 waits for its own F0, listed after it
+    own = sc.validate(_bank()[8][0], 2).reason
+    assert own.endswith("it needs B0 of stage 1 (rank 1's action 0), which needs F0 of stage 1 (rank 1's action 1), "
+                        "which rank 1 reaches only after B0 of stage 1, named above: a cycle, so none of these ever "
+                        "starts"), own
     with pytest.raises(ValueError, match=r"the schedule\[0\]\[1\] is 'F0'"):
         sc.validate([[("F", 0, 0), "F0"]], 1)
 
@@ -299,6 +332,8 @@ def test_right_answers_pass_every_check(cluster, capsys):
     (check_advanced, (interleaved_blocks, zb_h1), r"cannot run: F0 of stage 1 is not on rank 0"),
     (check_advanced, (interleaved, one_f_one_b), "has no W actions"),
     (check_validate, (validate_always_fine,), "validate returned None for stage 0's forward listed on rank 1"),
+    (check_validate, (validate_twice_first,), r"Yours is what rule 2 finds \(an action listed twice\), but rule 1 \(an "
+                                              r"action that cannot be on its rank\) comes first"),
     (check_simple, (not_done, one_f_one_b), "Task 5.1 is not done yet"),
 ])
 def test_mistakes_are_named(check, fns, message):
@@ -313,6 +348,32 @@ def test_executor_mistakes_are_named(fragile):
         check_execute(execute_wrong_tag, fragile, world_size=2, seed=1)
     with pytest.raises(CheckFailed, match="with W actions in the schedule, B must be"):
         check_execute(execute_full_backward, fragile, world_size=2, seed=1)
+    with pytest.raises(CheckFailed) as err:
+        check_execute(execute_blocking_send, fragile, world_size=2, seed=1)
+    likely = str(err.value).split("\n")[0]
+    assert "Likely: every rank is blocked in a send" in likely and "lablib.isend" in likely and "tag" not in likely
+
+
+def _send_outside_the_world(dst_off, recv):
+    n = torch.distributed.get_world_size()
+    t0 = time.monotonic()
+    try:
+        (lablib.irecv if recv else lablib.isend)(torch.zeros(1), n - 1 + dst_off)
+    except ValueError as err:
+        return str(err), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def test_a_peer_outside_the_world_is_refused_at_once(fragile):
+    n = fragile.world_size
+    for off, recv, what in ((1, False, f"lablib.isend to rank {n}"), (-n, True, "lablib.irecv from rank -1")):
+        for message, seconds in fragile.run(_send_outside_the_world, off, recv):
+            assert f"{what}, but the world has {n} ranks" in message and "% world_size" in message, message
+            assert seconds < 1  # not Gloo's wait for a rank that never joins
+    if n == 2:
+        with pytest.raises(CheckFailed, match=r"Likely: rank 1 sent to rank 2, but the world has 2 ranks: stage s runs "
+                                              "on rank s % world_size"):
+            check_execute(execute_unwrapped, fragile, world_size=2, seed=1)
 
 
 def test_library_shortcuts_are_refused():

@@ -14,6 +14,7 @@ AssertionError), so the check cell fails under nbval too.
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -54,7 +55,9 @@ def passed(task: str, message: str) -> None:
 def run_on_ranks(cluster: Cluster, task: str, job, *args, hints=()):
     """``cluster.run(job, *args)``, turning "not done yet" and rank errors into teaching messages.
 
-    ``hints``: (text in the error, what it likely means) pairs, added to the message when they match."""
+    ``hints``: (text in the error, what it likely means) pairs, the first that matches added to the message.
+    The text may be a compiled regex, and its hint then a function of the match (to name what the error
+    names: a shape, a peer)."""
     __tracebackhide__ = True  # IPython shows the message, not this file's frames
     try:
         return cluster.run(job, *args)
@@ -63,8 +66,13 @@ def run_on_ranks(cluster: Cluster, task: str, job, *args, hints=()):
         exc = err.exception(first)
         if isinstance(exc, NotImplementedError):
             raise not_done(task, f"your code ({exc})") from None
-        likely = [hint for text, hint in hints if text in str(err)]
-        raise CheckFailed(f"{task}: your function failed on the ranks." + (f" Likely: {likely[0]}" if likely else "")
+        likely = None
+        for text, hint in hints:
+            found = text.search(str(err)) if isinstance(text, re.Pattern) else text in str(err)
+            if found:
+                likely = hint(found) if callable(hint) else hint
+                break
+        raise CheckFailed(f"{task}: your function failed on the ranks." + (f" Likely: {likely}" if likely else "")
                           + f"\n\n{err}") from None
 
 

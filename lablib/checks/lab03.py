@@ -3,6 +3,11 @@ and 3.3 (reduce-scatters left running under the backward), each trained on the r
 single-process reference, with what every unit held after every hook checked from the first step's log."""
 from __future__ import annotations
 
+import dataclasses
+import re
+import traceback
+
+from .. import comm
 from ..strategies import prefetch
 from ..strategies.harness import Optimizer, reference
 from . import Check, CheckFailed, params_error, run_on_ranks
@@ -17,6 +22,10 @@ _TRACED = {f"dist.{name}": "use lablib.all_gather / lablib.reduce_scatter: they 
 _TRACED["dist.*"] = ("exercises move data with lablib's traced collectives only; of torch.distributed they may ask "
                      "get_rank and get_world_size")
 _RANK_HINTS = (
+    (re.compile(r"(\w+), your (\w+) hook(?: of unit \d+)?, (all-gathered into|used) a flat buffer with no storage"),
+     lambda found: f"your {found[2]} hook ({found[1]}) {found[3]} a unit's flat buffer while its storage was freed "
+                   "(0 bytes): resize the storage back first, unit.flat.untyped_storage().resize_("
+                   "unit.layout.padded_numel * unit.flat.element_size()), then all-gather into it."),
     ("storage of size 0", "a unit computed while its flat buffer was freed: its pre-hook must resize the storage "
                           "back (unit.layout.padded_numel * unit.flat.element_size() bytes) and fill it with "
                           "the all-gather before the unit runs (and wait for it, if it is asynchronous)."),
@@ -31,8 +40,28 @@ _RANK_HINTS = (
 
 def hooks_job(hooks: prefetch.Hooks, depths, seed=None) -> dict:
     """On each rank: every model trained with ``hooks`` at every depth (``seed``: other weights and data)."""
+    hooks = prefetch.Hooks(**{f.name: _named(f.name, getattr(hooks, f.name)) for f in dataclasses.fields(hooks)})
     return {f"{model}/{d}": prefetch.train(hooks, model, STEPS, Optimizer(), depth=d, seed=seed or 0)
             for model in MODELS for d in depths}
+
+
+def _named(moment: str, fn):
+    """``fn``, its errors on a freed buffer naming it, and lablib.all_gather when that is where it failed:
+    PyTorch's "storage of size 0" reads the same whether a hook all-gathered into a buffer it did not resize
+    or a unit computed on a freed one."""
+    def hook(units, *rest):
+        try:
+            return fn(units, *rest)
+        except RuntimeError as exc:
+            if "storage of size 0" not in str(exc):
+                raise
+            gathering = any(f.name == "all_gather" and f.filename == comm.__file__
+                            for f in traceback.extract_tb(exc.__traceback__))
+            unit = f" of unit {rest[0]}" if len(rest) == 2 else ""
+            did = "all-gathered into" if gathering else "used"
+            raise RuntimeError(f"{getattr(fn, '__name__', 'hook')}, your {moment} hook{unit}, {did} a flat buffer with "
+                               f"no storage: {exc}").with_traceback(exc.__traceback__) from None
+    return hook
 
 
 def _values(task: str, per_rank: list, n: int, key: str, hint: str, seed=None) -> float:
@@ -61,7 +90,7 @@ def _walk(task: str, result: dict, expect, what: str, world_size: int) -> None:
         if sorted(gathered) != sorted(want_gathered):
             raise CheckFailed(f"{task}: {where}, the units holding their full parameters should be "
                               f"{sorted(want_gathered) or 'none'}, yours: {sorted(gathered) or 'none'}. "
-                              + _gather_hint(moment, i, set(gathered), set(want_gathered)))
+                              + _gather_hint(moment, i, set(gathered), set(want_gathered), result["log"]))
         if entry["stale"]:
             raise CheckFailed(f"{task}: {where}, unit {entry['stale'][0]} still holds a handle that was waited for "
                               "already: set unit.work = None after waiting, so unit.work always means \"in flight\".")
@@ -106,7 +135,15 @@ def _pairs(pairs) -> str:
     return ", ".join(f"unit {j}'s {op.replace('_', '-')}" for j, op in sorted(pairs)) or "none"
 
 
-def _gather_hint(moment: str, i, got: set, want: set) -> str:
+def _gather_hint(moment: str, i, got: set, want: set, log) -> str:
+    # the backward gathering i+1, i+2, ...: the forward's direction, seen in the gathers it issued later in the step
+    late = next(((e["unit"], j) for e in log if e["moment"] == "pre_backward" for op, j in e["issued"]
+                 if op == "all_gather" and j > e["unit"]), None) if moment == "pre_backward" else None
+    if late:
+        return (f"The backward runs the units last to first, so at unit i prefetch_backward gathers i, i-1, ..., "
+                f"i-depth: here unit{'s' if len(want) > 1 else ''} {', '.join(map(str, sorted(want, reverse=True)))}. "
+                f"Yours gathers the forward's way, i, i+1, ...: at pre_backward of unit {late[0]} it gathered unit "
+                f"{late[1]}, whose backward had run already.")
     if moment == "post_forward" and i in want and i not in got:
         return "Keep the last unit whole after its forward: its backward comes right after."
     if got - want and moment.startswith("post"):

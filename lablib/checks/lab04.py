@@ -5,6 +5,8 @@ same ranks (not under a seed: other weights, drawn for hidden checks, need no se
 DTensor's first use costs a rank seconds)."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,19 @@ FORBIDDEN = {
     "distribute_tensor": "DTensor is what the lab compares with; build the split yourself",
     "~device_mesh": "DTensor is what the lab compares with; build the split yourself",
 }
+
+
+def _shape_hint(fn: str, index: str, got: str, want: str) -> str:
+    """What autograd's "invalid gradient" error means: which backward returned what, and what it must."""
+    g, w = ([int(k) for k in dims.split(",") if k.strip()] for dims in (got, want))
+    fix = ""
+    if len(g) == len(w) > 0 and g[1:] == w[1:]:  # only dim 0 differs: the backward's gather or scatter is missing
+        fix = (" It is too short along dim 0: all-gather the gradient (world_size times as long)." if g[0] < w[0] else
+               " It is too long along dim 0: reduce-scatter the gradient (world_size times shorter).")
+    return (f"{fn}.backward returned a gradient of shape [{got}] for input {index} of its forward, whose shape is "
+            f"[{want}]: a backward returns, for each input of forward, a gradient of that input's shape.{fix}")
+
+
 _RANK_HINTS = (
     ("timed out", "one rank skipped a collective the others called: every rank must issue the same collectives, "
                   "in the same order."),
@@ -37,6 +52,8 @@ _RANK_HINTS = (
     ("modified by an inplace operation", "an all-reduce wrote into a tensor autograd saved for the backward: "
                                          "all-reduce a copy (t.clone())."),
     ("does not require grad", "a Function's backward must return a gradient for each input of its forward."),
+    (re.compile(r"Function (\w+)Backward returned an invalid gradient at index (\d+) - got \[([\d, ]*)\] but expected "
+                r"shape compatible with \[([\d, ]*)\]"), lambda found: _shape_hint(*found.groups())),
 )
 
 
@@ -51,14 +68,27 @@ def _shape(t) -> str:
     return f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
 
 
-def _close(task, where, got, want, hint) -> float:
+def _close(task, where, got, want, hint, mistakes=()) -> float:
+    """The largest difference from ``want``, or CheckFailed past TOL. ``mistakes``: (what ``got`` would be
+    after a typical mistake, what to say) pairs: a result that matches one is named by it, not by its
+    difference."""
     err = _err(got, want)
     if err is None:
         raise CheckFailed(f"{task}: {where} has {_shape(got)}, expected shape {tuple(want.shape)}. {hint}")
     if not err <= TOL:
+        for wrong, why in mistakes:
+            off = _err(got, wrong)
+            if off is not None and off <= TOL:
+                raise CheckFailed(f"{task}: {where} {why}")
         raise CheckFailed(f"{task}: {where} differs from the single-process reference by {err:.2e} (tolerance "
                           f"{TOL:g}). {hint}")
     return err
+
+
+def _bias_twice(n: int, where: str, op: str) -> str:
+    """What an output with fc2's bias n times means (each rank added it before the sum across ranks)."""
+    return (f"holds fc2's bias {n} times: the bias was added before {where}, so every rank added it and the {op} "
+            f"summed the {n} copies. Add it once, after {where}.")
 
 
 def _per_rank(task, data, world_size):
@@ -140,13 +170,10 @@ def judge_split(data, world_size, seed) -> str:
                    "A column-parallel shard's gradient is the same slice of the whole layer's gradient.")
         _ops(task, f"rank {r}'s row_linear", got["row_ops"], [("all_reduce", _ACT)],
              "A row-parallel layer sums the ranks' partial products with one all-reduce (lablib.all_reduce).")
-        row = got["row"]
-        if _err(row, full2 + (n - 1) * b2) is not None and _err(row, full2 + (n - 1) * b2) <= TOL:
-            raise CheckFailed(f"{task}: rank {r}'s row_linear output holds the bias {n} times: every rank added it "
-                              "before the all-reduce summed them. Add the bias after the all-reduce.")
-        _close(task, f"rank {r}'s row_linear output", row, full2,
+        _close(task, f"rank {r}'s row_linear output", got["row"], full2,
                "Multiply this rank's slice of the input by its weight shard (no bias), all-reduce the partial "
-               "products in place, then add the bias.")
+               "products in place, then add the bias.",
+               [(full2 + (n - 1) * b2, _bias_twice(n, "the all-reduce", "all-reduce"))])
     return (f" on {world_size} ranks: fc1 split by output features (forward and its weights' gradients) and fc2 "
             "by input features (forward, one all-reduce) match the single-process layers")
 
@@ -184,7 +211,9 @@ def judge_mlp(data, world_size, seed) -> str:
         _ops(task, f"rank {r}'s forward", got["fwd"], [("all_reduce", _ACT)],
              "The forward all-reduces once, in g (Reduce.forward); f (Copy.forward) is the identity.")
         worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y,
-                                  "fc1 column-parallel (f first), GELU, fc2 row-parallel without bias, g, then the bias."))
+                                  "fc1 column-parallel (f first), GELU, fc2 row-parallel without bias, g, then the "
+                                  "bias.", [(y + (n - 1) * model.fc2.bias.detach(),
+                                             _bias_twice(n, "g (Reduce)", "all-reduce"))]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)],
              "The backward all-reduces once, in f (Copy.backward), the input's gradient; g's backward "
              "(Reduce.backward) passes the gradient through.")
@@ -209,12 +238,13 @@ def collect_attention(fns, pool, seed):
     return run_on_ranks(pool, "Task 4.3", ref.attention_job, *fns, seed, seed is None, hints=_RANK_HINTS)
 
 
-def _core(att):
-    """Attention without LayerNorm and residual: what tp_attention computes."""
+def _core(att, causal: bool = True):
+    """Attention without LayerNorm and residual: what tp_attention computes (``causal=False``: the mistake of
+    leaving out the mask)."""
     def run(x):
         B, T, d = x.shape
         q, k, v = att.qkv(x).view(B, T, 3, att.heads, d // att.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return att.proj(y.transpose(1, 2).reshape(B, T, d))
     return run
 
@@ -227,6 +257,8 @@ def judge_attention(data, world_size, seed) -> str:
     w, b = att.qkv.weight.detach(), att.qkv.bias.detach()
     y, gx, (gq, gbq, go, gbo) = _reference(_core(att), x, dy, [att.qkv.weight, att.qkv.bias, att.proj.weight,
                                                               att.proj.bias])
+    with torch.no_grad():
+        unmasked = _core(att, causal=False)(x)
     worst = dtensor = 0.0
     for r, got in enumerate(data):
         want_w, want_b = tp.shard_qkv(w, b, r, n)
@@ -247,7 +279,11 @@ def judge_attention(data, world_size, seed) -> str:
              "and your g (Reduce) after the output projection, as in the MLP.")
         worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y,
                                   "Each rank attends with its own heads only (heads = the heads on this rank): "
-                                  "q, k, v from F.linear(f(x), wqkv, bqkv).view(B, T, 3, heads, head_dim)."))
+                                  "q, k, v from F.linear(f(x), wqkv, bqkv).view(B, T, 3, heads, head_dim).",
+                                  [(unmasked, "is attention without the causal mask: each token attended to the "
+                                              "tokens after it too. Pass is_causal=True to "
+                                              "F.scaled_dot_product_attention: a token sees itself and the tokens "
+                                              "before it.")]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)], "f's backward all-reduces the input's gradient.")
         wants = [gx, *tp.shard_qkv(gq, gbq, r, n), *tp.shard_row(go, gbo, r, n)]
         names = ("the input's gradient", "the QKV weight-shard gradient", "the QKV bias-shard gradient",
@@ -286,9 +322,14 @@ def judge_sp(data, world_size, seed) -> str:
         _ops(task, f"rank {r}'s forward", got["fwd"], [("all_gather", _ACT // n), ("reduce_scatter", _ACT)],
              "Gather the normalised sequence before fc1 (your Gather.forward: all-gather) and reduce-scatter fc2's "
              "partial products (your Scatter.forward); no all-reduce.")
-        worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y.chunk(n)[r],
+        mine = y.chunk(n)[r]
+        worst = max(worst, _close(task, f"rank {r}'s output", got["out"], mine,
                                   "LayerNorm on this rank's tokens, Gather, fc1, GELU, fc2 (no bias), Scatter, then "
-                                  "the bias and the residual (this rank's x)."))
+                                  "the bias and the residual (this rank's x).",
+                                  [(mine + (n - 1) * ff.fc2.bias.detach(), _bias_twice(n, "Scatter", "reduce-scatter")),
+                                   (mine - x.chunk(n)[r], "lacks the residual: it is fc2's output and bias alone. Add "
+                                                          "this rank's x (x + Scatter(...) + bias): the sub-block is "
+                                                          "x + fc2(GELU(fc1(LayerNorm(x)))).")]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_gather", _ACT // n), ("reduce_scatter", _ACT)],
              "Scatter's backward all-gathers the gradient; Gather's backward reduce-scatters it.")
         wants = [gx.chunk(n)[r], glw, glb, *tp.shard_column(g1, gb1, r, n), *tp.shard_row(g2, gb2, r, n)]

@@ -7,7 +7,7 @@ the same model (not under a seed: PyTorch's first use costs a rank seconds)."""
 from __future__ import annotations
 
 import random
-
+import re
 
 from ..strategies import pipeline as pp
 from ..strategies import schedules as sc
@@ -212,10 +212,14 @@ def _bank():
     w_first = [[list(a) for a in row] for row in sc.zb_h1(2, 2)]
     k = next(i for i, a in enumerate(w_first[1]) if a[0] == "W")
     w_first[1].insert(0, w_first[1].pop(k))
+    # F2 is out of range (rule 1) at rank 1's action 1 and listed again (rule 2) at its action 4: the rules'
+    # order decides which is named
+    out_twice = [g[0], g[1][:1] + [["F", 2, 1]] + g[1][1:3] + [["F", 2, 1]] + g[1][3:]]
     bad = [(wrong_rank, 2, 1, "stage 0's forward listed on rank 1"), (twice, 2, 1, "a backward listed twice"),
            (missing, 2, 1, "a backward missing"), (deadlock, 2, 1, "a deadlock: each rank waits for the other"),
            (own, 2, 1, "a backward before its own forward"), (w_first, 2, 1, "a W before its B"),
-           ([[["F", 0, 0], ["B", 2, 0]], [["F", 0, 1], ["B", 0, 1]]], 1, 1, "a micro-batch out of range")]
+           ([[["F", 0, 0], ["B", 2, 0]], [["F", 0, 1], ["B", 0, 1]]], 1, 1, "a micro-batch out of range"),
+           (out_twice, 2, 1, "a micro-batch out of range, listed twice")]
     return ok + bad
 
 
@@ -233,6 +237,20 @@ def collect_validate(fns, pool, seed):
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _order(schedule, m, v, got) -> str:
+    """Which rule the learner's answer is, when it is a later rule's than the one that comes first."""
+    acts = sc.as_actions(schedule)
+    found = [(k, name, rule(acts, m, v)) for k, (name, rule) in enumerate(sc.RULES[:3], 1)]  # rule 4 assumes 1-3 hold
+    first = next(((k, name) for k, name, problem in found if problem), (4, sc.RULES[3][0]))
+    later = next(((k, name) for k, name, problem in found if problem and k > first[0] and isinstance(got, list)
+                  and list(got[:2]) == [problem.rank, problem.index]), None)
+    if later is None:
+        return ("(Rules in order: wrong rank or micro-batch, listed twice, missing, then the deadlock's lowest stuck "
+                "rank.)")
+    return (f"Yours is what rule {later[0]} finds ({later[1]}), but rule {first[0]} ({first[1]}) comes first: check "
+            "the whole schedule against each rule, in order, before the next.")
 
 
 def judge_validate(data, world_size, seed) -> str:
@@ -256,8 +274,8 @@ def judge_validate(data, world_size, seed) -> str:
         if (not isinstance(got, list) or len(got) != 3 or not isinstance(got[2], str) or not got[2].strip()
                 or list(got[:2]) != [want.rank, want.index]):
             raise CheckFailed(f"{task}: validate returned {_short(got)} for {what}; expected (rank, index, reason) with rank "
-                              f"{want.rank} and index {want.index}: {want.reason}. (Rules in order: wrong rank or "
-                              f"micro-batch, listed twice, missing, then the deadlock's lowest stuck rank.)\n{show}")
+                              f"{want.rank} and index {want.index}: {want.reason}. "
+                              f"{_order(schedule, m, v, got)}\n{show}")
     return f": the right action named in each of {len(data)} schedules, valid and broken"
 
 
@@ -267,6 +285,17 @@ check_validate = Check("Task 5.3", ("validate",), collect_validate, judge_valida
 
 # -- Task 5.4: the executor -----------------------------------------------------------------------------------
 _HINTS = (
+    # lablib's point-to-point calls refuse a peer outside the world (Gloo would wait for it until the timeout)
+    (re.compile(r"rank (\d+) of (\d+) failed: ValueError: lablib\.i?(send|recv) (?:to|from) rank (-?\d+), but "
+                r"the world has"),
+     lambda found: f"rank {found[1]} {'sent to' if found[3] == 'send' else 'received from'} rank {found[4]}, but the "
+                   f"world has {found[2]} ranks: stage s runs on rank s % world_size, so the stage after s is on rank "
+                   "(s + 1) % world_size and the one before on (s - 1) % world_size."),
+    # every rank that timed out was in a send: not a wrong peer or tag, but sends that wait for their receiver
+    (re.compile(r"timed out after \S+ s waiting for a peer: rank \d+ in send(, rank \d+ in send)*$", re.M),
+     "every rank is blocked in a send: a blocking send (lablib.send) returns only once its peer has received, "
+     "and the peer is sending too. Send with lablib.isend, keep the handles, and wait for them after the last "
+     "action, as the task asks."),
     ("timed out", "a rank waited for a message that never came: the two sides of a message must agree on the "
                   "peer (stage s is on rank s % world_size) and the tag (the same on both sides)."),
     ("needs the activations", "receive the activations from the stage before into stage.buffer() (lablib.irecv(...)"

@@ -111,8 +111,9 @@ def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
 
 def zb_h1(p: int, m: int) -> list[list[Action]]:
     """ZB-H1: 1F1B's order of F and B, with each W as late as memory allows: rank r runs W of micro-batch
-    i after B of micro-batch i + r (the ranks nearer the end wait less for gradients and defer fewer), the
-    last W's in the cool-down, where 1F1B idles."""
+    i after B of micro-batch i + r, so rank r defers r W's (rank 0 none, the last rank p - 1) and runs them
+    in the cool-down, where 1F1B idles. The papers' bubble, (p-1)/(3m+p-1) with F = B = W, holds for
+    m >= p."""
     out = []
     for r, row in enumerate(one_f_one_b(p, m)):
         acts, backs = [], 0
@@ -151,14 +152,25 @@ class Problem(NamedTuple):
 
 def validate(schedule, m: int, v: int = 1) -> Problem | None:
     """The first problem of a schedule for p = len(schedule) ranks, v stages per rank and m micro-batches,
-    before anything runs; None if it runs to the end. In order:
+    before anything runs; None if it runs to the end. The rules (``RULES``), in order, each over the whole
+    schedule:
     1. an action that cannot be on its rank (a stage not on it, a micro-batch out of range);
     2. an action listed a second time;
     3. an action missing (index = the rank's list length): every (stage, micro-batch) needs F and B, and W
        too if the schedule has any W;
     4. a deadlock: run every rank's list in order, each action once what it needs (``needs``) has run;
-       when no rank can go on, the lowest such rank's next action, and what it waits for."""
+       when no rank can go on, the lowest such rank's next action, and why, down to the action it waits
+       for in the end."""
     acts = as_actions(schedule)
+    for _, rule in RULES:
+        problem = rule(acts, m, v)
+        if problem:
+            return problem
+    return None
+
+
+def misplaced(acts: list[list[Action]], m: int, v: int) -> Problem | None:
+    """Rule 1: the first action that cannot be on its rank."""
     p, stages = len(acts), len(acts) * v
     for r, row in enumerate(acts):
         for i, a in enumerate(row):
@@ -167,21 +179,39 @@ def validate(schedule, m: int, v: int = 1) -> Problem | None:
                                + (f" (there are {stages} stages)" if not 0 <= a.stage < stages else ""))
             if not 0 <= a.mb < m:
                 return Problem(r, i, f"{a}: micro-batches are 0..{m - 1}")
+    return None
+
+
+def listed_twice(acts: list[list[Action]], m: int, v: int) -> Problem | None:
+    """Rule 2: the first action listed a second time (where it is listed again)."""
     seen = set()
     for r, row in enumerate(acts):
         for i, a in enumerate(row):
             if a in seen:
                 return Problem(r, i, f"{a} is listed twice")
             seen.add(a)
-    split = any(a.kind == "W" for row in acts for a in row)
+    return None
+
+
+def missing(acts: list[list[Action]], m: int, v: int) -> Problem | None:
+    """Rule 3: the first action no rank lists, at the end of its rank's list."""
+    p, listed = len(acts), {a for row in acts for a in row}
+    split = any(a.kind == "W" for a in listed)
     for r in range(p):
-        for s in range(r, stages, p):
+        for s in range(r, p * v, p):
             for mb in range(m):
                 for kind in ("FBW" if split else "FB"):
-                    if Action(kind, mb, s) not in seen:
+                    if Action(kind, mb, s) not in listed:
                         return Problem(r, len(acts[r]), f"rank {r} never runs {Action(kind, mb, s)}")
+    return None
+
+
+def deadlock(acts: list[list[Action]], m: int, v: int) -> Problem | None:
+    """Rule 4 (rules 1-3 passed: every action is listed once, on its rank): the lowest rank's action that
+    can never start."""
+    p, stages = len(acts), len(acts) * v
+    split = any(a.kind == "W" for row in acts for a in row)
     done, pos = set(), [0] * p
-    where = {a: (r, i) for r, row in enumerate(acts) for i, a in enumerate(row)}
     moved = True
     while moved:
         moved = False
@@ -190,15 +220,38 @@ def validate(schedule, m: int, v: int = 1) -> Problem | None:
                 done.add(acts[r][pos[r]])
                 pos[r] += 1
                 moved = True
-    for r in range(p):
-        if pos[r] < len(acts[r]):
-            a = acts[r][pos[r]]
-            missing = next(n for n in needs(a, stages, split) if n not in done)
-            owner, at = where[missing]
-            how = ("later in this rank's own list" if owner == r else
-                   f"on rank {owner}, which is stuck at its action {pos[owner]}, {acts[owner][pos[owner]]}")
-            return Problem(r, pos[r], f"rank {r}'s {a} can never start: it needs {missing} (position {at}), {how}")
-    return None
+    stuck = [r for r in range(p) if pos[r] < len(acts[r])]
+    if not stuck:
+        return None
+    r = stuck[0]
+    why = _chain(acts, pos, done, r, stages, split)
+    return Problem(r, pos[r], f"rank {r}'s {acts[r][pos[r]]} can never start: it {why}")
+
+
+def _chain(acts, pos, done, r, stages, split) -> str:
+    """Why rank r's stuck action waits, to the root: what it needs, and, where that comes after the action
+    its rank is stuck at, what that one needs in turn, until an action named already (every stuck rank
+    waits on another: the chain ends in a cycle; rule 3 leaves no action unlisted)."""
+    where = {a: (q, i) for q, row in enumerate(acts) for i, a in enumerate(row)}
+    cycle = ", named above: a cycle, so none of these ever starts"
+    a, named, text = acts[r][pos[r]], set(), ""
+    while True:
+        named.add(a)
+        need = next(n for n in needs(a, stages, split) if n not in done)
+        if need in named:
+            return text + f"needs {need}{cycle}"
+        owner, at = where[need]
+        text += f"needs {need} (rank {owner}'s action {at}), which "
+        named.add(need)
+        a = acts[owner][pos[owner]]  # where rank `owner` is stuck: at need itself, or at an action before it
+        if a != need:
+            if a in named:
+                return text + f"rank {owner} reaches only after {a}{cycle}"
+            text += f"rank {owner} reaches only after {a} (its action {pos[owner]}), which "
+
+
+RULES = (("an action that cannot be on its rank", misplaced), ("an action listed twice", listed_twice),
+         ("an action missing", missing), ("a deadlock", deadlock))
 
 
 # -- the simulator: unit times, no ranks ------------------------------------------------------------------
