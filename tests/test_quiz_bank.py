@@ -155,6 +155,9 @@ def test_good_fixture_loads(tmp_path):
     (lambda s: s.replace("{en: Count them., ms: Kira.}", "{en: Count them., ms: Jawapannya 3 sahaja.}"),
      r"question n1: field 'hint': the ms hint states the answer \(3\); point at the idea"),
     (lambda s: s.replace("level: easy", "level: easy\nmode: quiz"), r"field 'mode': 'quiz' is not one of practice, exam"),
+    (lambda s: s.replace("{en: Think., ms: Fikir.}", "{en: Think., ms: Bukan (b).}"),
+     r"question q1: field 'hint': the ms text names a choice by its letter, \(b\); learners see the choices in "
+     r"another order, with other letters: name it by what it says"),
 ])
 def test_each_mistake_is_named_with_file_question_and_field(tmp_path, edit, message):
     path = _write(tmp_path, edit(GOOD.format(id="broken")))
@@ -183,6 +186,11 @@ def test_unquoted_colon_gets_a_hint(tmp_path):
     text = GOOD.format(id="broken").replace("[en, ms]", "[en]").replace("      - {en: B, ms: B}", "      - B: it is b")
     with pytest.raises(bank.QuizError, match="quote a text that contains ': '"):
         bank.load(_write(tmp_path, text))
+
+
+def test_explanations_may_hold_parentheses_that_are_not_choice_letters(tmp_path):
+    text = GOOD.format(id="good").replace("{en: Because., ms: Kerana.}", "{en: f(a) and (x) and (c) and (1)., ms: K.}")
+    assert bank.load(_write(tmp_path, text, "good")).questions[0].explanation["en"].startswith("f(a)")  # 2 choices: no (c)
 
 
 def test_numeric_hints_may_hold_other_numbers(tmp_path):

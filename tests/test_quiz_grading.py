@@ -132,12 +132,15 @@ def test_feedback_shows_each_answer_the_right_one_and_why(banks):
     text = feedback(LAB, answers, banks)
     block = text.split("**welcome/rank**")[1].split("**welcome/")[0]
     assert "(0/1, wrong): In `torch.distributed`, what is a rank?" in block
-    assert "- Your answer: b) One CUDA core inside a GPU (first answer: c) One layer of the model)" in block
-    assert "- Right answer: a) One process of the distributed job, usually driving one GPU" in block
+    # letters as the learner saw them (welcome/rank shows the bank's c, a, b as b), c), d))
+    assert "- Your answer: d) One CUDA core inside a GPU (first answer: b) One layer of the model)" in block
+    assert "- Right answer: c) One process of the distributed job, usually driving one GPU" in block
     assert "- Why: A job of N ranks is N cooperating processes" in block
     assert "**welcome/waiting** (1/1, correct)" in text and "- Your answer: 25 ms" in text
     assert "- Right answer: 25 ± 1 ms" in text
     assert "**welcome/collectives** (0/1, answer revealed)" in text
+    assert ("- Right answer: b) `dist.reduce_scatter_tensor`; c) `dist.all_reduce`; d) `dist.all_gather_into_tensor`"
+            in text)  # in the order shown, not the bank's a, b, d
     assert "**welcome/mismatch** (0/1, unanswered)" in text and "- Your answer: (no answer)" in text
     assert text.count("- Why: ") == 6 and feedback("no_such_lab", answers, banks) == ""
 

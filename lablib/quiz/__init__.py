@@ -3,7 +3,7 @@
     from lablib import quiz
     quiz.ask("fsdp/2")          # one question, where its idea is taught
     quiz.show("fsdp")           # a whole quiz, one question at a time
-    quiz.score("01_sharding")   # one stable line: "01_sharding: 7/10 correct at the first attempt"
+    quiz.score("01_sharding")   # "01_sharding: 7/10 correct at the first attempt", then what is unanswered
     quiz.check("01_sharding")   # raises AssertionError naming what is unanswered or wrong
 
 A name is a quiz id (``fsdp``), a lab (``01_sharding``: every question placed in that lab, from any
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .bank import LANGUAGES, Question, Quiz, QuizError, default_dir, load, load_all
 from .grading import judge, pick
-from .i18n import pick_language
+from .i18n import pick_language, plain
 from .store import AnswerStore
 
 __all__ = ["ask", "show", "score", "check", "questions", "banks", "Question", "Quiz", "QuizError", "AnswerStore",
@@ -105,39 +105,58 @@ def show(quiz_id: str, lang: str | None = None, store: AnswerStore | None = None
 
 
 def _rows(name, store) -> tuple[list, bool]:
-    """[(question, record or None)] for the answers that count for ``name``, and whether the banks are
-    exam copies (nothing can be judged)."""
+    """[(question, record or None, note)] for the answers that count for ``name`` (the note says where
+    an answer that does not count was given), and whether the banks are exam copies (nothing can be
+    judged)."""
     answers, where = (store or AnswerStore()).load(), place(name)
     qs = questions(name)
-    return [(q, pick(q, answers, where)[0]) for q in qs], not all(q.keyed for q in qs)
+    return [(q, *pick(q, answers, where)) for q in qs], not all(q.keyed for q in qs)
+
+
+def _answered(rec) -> bool:
+    return isinstance(rec, dict) and "response" in rec
+
+
+def _opening(q: Question, words: int = 10) -> str:
+    """The first words of a question, enough to find the cell that asks it."""
+    text = plain(q.text["en"]).split()
+    return " ".join(text[:words]) + ("…" if len(text) > words else "")
+
+
+def _unanswered(rows) -> list[str]:
+    return [f"  unanswered: {q.ref}: {_opening(q)}" + (f" ({note})" if note else "")
+            for q, rec, note in rows if not _answered(rec)]
 
 
 def _line(name, rows) -> str:
-    points = sum(judge(q, rec)[1] for q, rec in rows)
+    points = sum(judge(q, rec)[1] for q, rec, _ in rows)
     return f"{name}: {points:g}/{len(rows)} correct at the first attempt"
 
 
 def score(name: str, store: AnswerStore | None = None) -> None:
     """Print one stable line for an nbval-checked cell: ``01_sharding: 7/10 correct at the first
     attempt`` (a question counts when answered right at the first attempt, its answer not shown); in an
-    exam, how many questions are answered."""
+    exam, how many questions are answered. Below it, one line for each question not answered yet, with
+    the first words of its text; a lab answered in full (a solved source) prints the one line only."""
     rows, exam = _rows(name, store)
     if exam:
-        answered = sum(isinstance(rec, dict) and "response" in rec for _, rec in rows)
+        answered = sum(_answered(rec) for _, rec, _ in rows)
         print(f"{name}: {answered}/{len(rows)} answered; your answers are saved and will be graded by your "
               f"instructor")
-        return
-    print(_line(name, rows))
+    else:
+        print(_line(name, rows))
+    for line in _unanswered(rows):
+        print(line)
 
 
 def check(name: str, store: AnswerStore | None = None) -> None:
     """Raise AssertionError naming every unanswered or wrong question of ``name`` (in an exam: every
     unanswered one)."""
     rows, exam = _rows(name, store)
-    missing = [q for q, rec in rows if not (isinstance(rec, dict) and "response" in rec)]
-    wrong = [] if exam else [q for q, rec in rows if q not in missing and not q.is_correct(rec["response"])]
+    missing = [q for q, rec, _ in rows if not _answered(rec)]
+    wrong = [] if exam else [q for q, rec, _ in rows if _answered(rec) and not q.is_correct(rec["response"])]
     if missing or wrong:
         lines = [f"{name}: {len(rows) - len(missing)}/{len(rows)} answered" if exam else _line(name, rows)]
-        lines += [f"  unanswered: {q.ref}: {q.text['en'][:80]}" for q in missing]
-        lines += [f"  not correct yet: {q.ref}: {q.text['en'][:80]}" for q in wrong]
+        lines += _unanswered(rows)
+        lines += [f"  not correct yet: {q.ref}: {_opening(q)}" for q in wrong]
         raise AssertionError("\n".join(lines))

@@ -5,8 +5,13 @@ A bank names its quiz (``id``, the file's stem), ``title``, ``level``, ``descrip
 ``explanation`` (shown with a right answer), a ``hint`` (shown after a wrong one: it points at the idea
 without giving the answer), and either ``choices`` with an ``answer`` (choice letters, ``a`` first; one
 for ``type: single``, the default, one or more for ``type: multiple``) or, for ``type: numeric``, a
-number ``answer`` with a ``tolerance``. Texts are maps from language code to text; a quiz in English
-only may use plain strings.
+number ``answer`` with a ``tolerance`` and an optional ``unit``. Texts are maps from language code to
+text; a quiz in English only may use plain strings.
+
+The bank's letters name its own order. Learners see each question's choices in an order of its own
+(``Question.order``: shuffled, the same on every run and in every language), lettered a), b), ... as
+shown; answers are saved and graded as indices into the bank's order, never as shown positions. So an
+explanation or hint names a choice by what it says, not by its letter.
 
 A bank marked ``mode: exam`` is a learner's copy for an exam (``lablib release --quiz exam``): it
 carries no ``answer``, ``tolerance``, ``explanation`` or ``hint``, and its questions cannot be judged.
@@ -15,6 +20,7 @@ Every problem is reported with file, question and field, all at once: ``QuizErro
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -100,17 +106,33 @@ class Question:
             return abs(float(response) - self.answer) <= self.tolerance + 1e-12 * abs(self.answer)
         return frozenset(response) == self.answer
 
+    @property
+    def order(self) -> tuple:
+        """The bank indices of the choices in the order the learner sees them. Each question has a
+        shuffle of its own, so that the right choice is not at the same letter everywhere (bank authors
+        tend to write it first). It depends on the ref alone, through SHA-256 (Python's hash() changes
+        from run to run): the same on every run, in every language and in an exam copy."""
+        def rank(i):
+            return hashlib.sha256(f"{self.ref}#{i}".encode()).digest()
+
+        return tuple(sorted(range(len(self.choices)), key=rank))
+
+    def shown(self, indices, lang: str) -> str:
+        """Choices given by bank index, as the learner sees them: ``d) All-gather``, in the shown order."""
+        return "; ".join(f"{LETTERS[k]}) {self.choices[i][lang]}" for k, i in enumerate(self.order) if i in indices)
+
     def response_text(self, response, lang: str = "en") -> str:
-        """A valid response as the learner saw it: ``b) All-gather``, or ``25 ms``."""
+        """A valid response as the learner saw it: ``d) All-gather``, or ``25 ms``."""
         if self.type == "numeric":
             return f"{float(response):g}{(' ' + self.unit) if self.unit else ''}"
-        return "; ".join(f"{LETTERS[i]}) {self.choices[i][lang]}" for i in sorted(response))
+        return self.shown(set(response), lang)
 
     def answer_text(self, lang: str) -> str:
+        """The right answer as the learner sees it: ``d) All-gather``, or ``25 ± 1 ms``."""
         if self.type == "numeric":
             tol = f" ± {self.tolerance:g}" if self.tolerance else ""
             return f"{self.answer:g}{tol}{(' ' + self.unit) if self.unit else ''}"
-        return "; ".join(f"{LETTERS[i]}) {self.choices[i][lang]}" for i in sorted(self.answer))
+        return self.shown(self.answer, lang)
 
 
 @dataclass(frozen=True)
@@ -338,6 +360,11 @@ class _Validator:
             self.err(where, f"field 'choices': needs at least 2 choices, got {len(choices)}")
             return None
         texts = tuple(self.text(c, f"{where}: choice {LETTERS[j]}") for j, c in enumerate(choices[:26]))
+        for key in ("explanation", "hint"):
+            lang, letter = _letter_in(common.get(key, {}), len(texts))
+            if letter:
+                self.err(where, f"field {key!r}: the {lang} text names a choice by its letter, {letter}; learners "
+                                "see the choices in another order, with other letters: name it by what it says")
         answer = q.get("answer")
         letters = answer if isinstance(answer, list) else ([] if answer is None else [answer])
         indices = set()
@@ -359,6 +386,15 @@ class _Validator:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _letter_in(texts: dict, n: int) -> tuple[str, str]:
+    """(language, "(b)") for the first text that names one of ``n`` choices as (a), (b), ...; else ("", "")."""
+    for lang, text in texts.items():
+        for m in re.finditer(r"(?<![\w(])\(([a-z])\)", text):  # "(b)", not "f(x)"
+            if LETTERS.index(m.group(1)) < n:
+                return lang, m.group(0)
+    return "", ""
 
 
 def _number_in(texts: dict, number: float) -> str:

@@ -110,7 +110,7 @@ def grade_lab(lab: str, answers, banks: dict[str, Quiz], mode: str | None = None
 
 def feedback(lab: str, answers, banks: dict[str, Quiz], lang: str = "en") -> str:
     """Markdown for the learner's report: each question of ``lab``, their answer, the right answer and
-    the explanation."""
+    the explanation; choices carry the letters the learner saw (``Question.order``), not the bank's."""
     blocks = []
     for q, item in zip(lab_questions(lab, banks), grade_lab(lab, answers, banks)):
         lang_q = lang if lang in q.text else "en"

@@ -7,7 +7,7 @@ place: the key is the question (``fsdp/2``) for an answer given in the question'
 ``fsdp/2@quiz:fsdp`` for one given elsewhere (here: the whole-quiz view), so each place keeps its own
 answer. A record::
 
-    {"response": [1],             # the latest answer: choice indices (a = 0), or a number
+    {"response": [1],             # the latest answer: choice indices in the bank's order (its a = 0), or a number
      "where": "02_collectives",   # the lab it was given in, or "quiz:<id>" for the whole-quiz view
      "attempts": 2,               # answers checked (practice) or saved (exam)
      "first_response": [0],       # practice: the first answer checked, and whether it was right

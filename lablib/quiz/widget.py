@@ -7,6 +7,7 @@ previous, a preview of every question, feedback as you answer, a running score).
 from __future__ import annotations
 
 import math
+import re
 
 import ipywidgets as w
 
@@ -20,11 +21,34 @@ _STYLE = ("<style>.lablib-rtl, .lablib-rtl * {direction: rtl; text-align: right;
           ".lablib-rtl .widget-radio-box input {float: right; margin: 0 1px 0 8px;} "  # ipywidgets floats it left
           ".lablib-quiz .widget-radio-box label, .lablib-quiz .widget-checkbox label {white-space: normal; height: auto; "
           "min-height: var(--jp-widgets-inline-height);}</style>")  # a wrapped choice grows instead of overprinting
+_GROUPED = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?([eE][+-]?\d+)?")  # 1,000,000.5
 
 
-def parse_number(text: str) -> float | None:
+def parse_number(text: str, unit: str = "") -> float | None:
+    """The number typed in a numeric question's box, or None when it is not one. Accepted: a number
+    (``0.25``, ``-3``, ``1.5e9``, ``1,000,000``, ``1_000``), a fraction (``3/19``, ``3 / 19``) and a
+    percentage: a trailing ``%`` means hundredths (``20%`` is 0.2, for an answer that is a fraction),
+    unless the question's ``unit`` is ``%``, where ``20%`` is 20, as ``20`` is. A comma is read only
+    between groups of three digits: ``0,25`` is refused rather than taken for 25."""
+    text = str(text).strip().replace("_", "")
+    per = 1.0
+    if text[-1:] in ("%", "\u066a"):  # the Arabic percent sign too
+        text, per = text[:-1].rstrip(), (1.0 if unit.strip() == "%" else 100.0)
+    parts = [_plain_number(p) for p in text.split("/")]
+    if len(parts) > 2 or None in parts or (len(parts) == 2 and parts[1] == 0):
+        return None
+    value = (parts[0] / parts[1] if len(parts) == 2 else parts[0]) / per
+    return value if math.isfinite(value) else None
+
+
+def _plain_number(text: str) -> float | None:
+    text = text.strip()
+    if "," in text:
+        if not _GROUPED.fullmatch(text):
+            return None
+        text = text.replace(",", "")
     try:
-        value = float(str(text).strip().replace(",", "").replace("_", ""))
+        value = float(text)
     except ValueError:
         return None
     return value if math.isfinite(value) else None
@@ -37,6 +61,11 @@ class QuestionView:
     shows the answer and the explanation and gives up the question's point. Exam (a keyless bank,
     ``mode: exam``): a Save button, nothing judged. Every answer is saved to the answers file under
     the place it was given (``where``: the question's lab by default); a rebuilt view shows it again.
+
+    The choices are shown in the question's own order (``Question.order``), lettered as shown. The
+    controls speak bank indices: the radio buttons' values, and ``boxes[i]`` for bank choice ``i``
+    (``control.children`` holds them as shown), so what is saved and graded is the choice, not where
+    it stood.
     """
 
     def __init__(self, question: Question, store: AnswerStore, lang: str = "en", on_answer=None,
@@ -56,7 +85,7 @@ class QuestionView:
             self.boxes = []
         elif question.type == "multiple":
             self.boxes = [w.Checkbox(value=False, indent=False, layout=w.Layout(width="auto")) for _ in question.choices]
-            self.control = w.VBox(self.boxes)
+            self.control = w.VBox([self.boxes[i] for i in question.order])
         else:
             self.control = w.Text(layout=w.Layout(width="16em"))
             self.boxes = []
@@ -92,11 +121,11 @@ class QuestionView:
         self.note.value = f"<i>{t(lang, 'several')}</i>" if q.type == "multiple" else ""
         if q.type == "single":
             value = self.control.value
-            self.control.options = [(f"{LETTERS[i]}) {plain(c[lang])}", i) for i, c in enumerate(q.choices)]
+            self.control.options = [(f"{LETTERS[k]}) {plain(q.choices[i][lang])}", i) for k, i in enumerate(q.order)]
             self.control.value = value
         elif q.type == "multiple":
-            for i, (box, c) in enumerate(zip(self.boxes, q.choices)):
-                box.description = f"{LETTERS[i]}) {plain(c[lang])}"
+            for k, i in enumerate(q.order):
+                self.boxes[i].description = f"{LETTERS[k]}) {plain(q.choices[i][lang])}"
         else:
             self.control.placeholder = t(lang, "number")
         self.check_button.description = t(lang, "save" if self.exam else "check")
@@ -111,7 +140,7 @@ class QuestionView:
         if self.q.type == "multiple":
             picked = [i for i, b in enumerate(self.boxes) if b.value]
             return picked or None
-        return parse_number(self.control.value)
+        return parse_number(self.control.value, self.q.unit)
 
     def check(self):
         """Save what is selected (and judge it, in practice); returns the record, or None if nothing
