@@ -9,9 +9,9 @@
 #
 # Set-up: a virtual environment in .venv with this package and its test tools, reinstalled when
 # pyproject.toml changes. PYTHON picks the interpreter (>= 3.10). Torch, unless .venv already has it:
-# on Linux without an NVIDIA driver the CPU build from https://download.pytorch.org/whl/cpu (if it
-# answers within 5 s), else pip's default index (on Linux: the CUDA build, several GB);
-# TORCH_INDEX_URL=URL installs it from URL instead.
+# the version the suite runs on in CI (TORCH_VERSION=X.Y.Z picks another), on Linux without an NVIDIA
+# driver the CPU build from https://download.pytorch.org/whl/cpu (if it answers within 5 s), else from
+# pip's default index (on Linux: the CUDA build, several GB); TORCH_INDEX_URL=URL installs it from URL.
 #
 # Your work: labs/ holds the released notebooks, which `git pull` updates; ./lab.sh copies every one
 # missing from my-labs/ (MY_LABS=DIR for another folder) and never overwrites a notebook there.
@@ -25,6 +25,8 @@ MY_LABS="${MY_LABS:-my-labs}"
 # LABSH_NVIDIA_SMI (a command), LABSH_NVIDIA_PATHS (paths whose presence means a driver) and
 # LABSH_CPU_INDEX replace what the choice of torch build probes.
 CPU_INDEX="${LABSH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+# The torch CI tests with (README, Tested versions): what a new .venv gets, wherever it comes from.
+TORCH_SPEC="torch==${TORCH_VERSION:-2.13.0}"
 
 usage() {
   echo "usage: ./lab.sh [lab] [jupyter lab options] | test [pytest args] | doctor | bench [--quick] | --help"
@@ -84,21 +86,23 @@ setup() {  # create .venv and install the course into it, once and again when py
     echo "        Install one, then run: PYTHON=python3.11 ./lab.sh" >&2
     exit 1
   fi
-  TORCH_INDEX=""
+  TORCH_INDEX="" TORCH_REASON=""  # a reason is set only where torch is still to be installed
   if [ -x "$VENV/bin/python" ] && torch_version=$("$VENV/bin/python" -c \
       'import importlib.util as u, importlib.metadata as m; assert u.find_spec("torch"); print(m.version("torch"))' 2>/dev/null); then
     say "torch $torch_version is already in $VENV: keeping it"
   elif [ -x "$VENV/bin/python" ]; then
     choose_torch_index "$VENV/bin/python"
-    say "$TORCH_REASON"
+    say "$TORCH_REASON ($TORCH_SPEC, the version CI tests)"
   else
     choose_torch_index "$PYTHON"
-    say "$TORCH_REASON"
+    say "$TORCH_REASON ($TORCH_SPEC, the version CI tests)"
   fi
   say "setting up $VENV (the first time takes a few minutes)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   if [ -n "$TORCH_INDEX" ]; then
-    "$VENV/bin/python" -m pip install torch --index-url "$TORCH_INDEX"
+    "$VENV/bin/python" -m pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
+  elif [ -n "${TORCH_REASON:-}" ]; then
+    "$VENV/bin/python" -m pip install "$TORCH_SPEC"
   fi
   "$VENV/bin/python" -m pip install -e ".[test]"
   touch "$stamp"

@@ -102,6 +102,9 @@ def environment(ranks: int = 2) -> list[str]:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
         _row("GPUs", f"{gpus} ({names})" if gpus else "none")
+        note = cuda_build_note(torch.version.cuda, gpus)
+        if note:
+            print(f"  {note}")
         if not dist.is_available():
             problems.append("this torch build has no torch.distributed")
         elif not dist.is_gloo_available():
@@ -118,6 +121,19 @@ def environment(ranks: int = 2) -> list[str]:
     backend = resolve_backend("auto", ranks)
     _row("backend", f"auto -> {'NCCL (one GPU per rank)' if backend == 'nccl' else 'Gloo (CPU)'} for {ranks} ranks")
     return problems
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def cuda_build_note(cuda: str | None, gpus: int) -> str | None:
+    """A note for a CUDA build of torch on a machine without a GPU (pip's default index installs one on
+    Linux): it works, on the CPU, but takes several GB where the CPU build takes a few hundred MB."""
+    if not cuda or gpus:
+        return None
+    return (f"note: this torch is a CUDA build (CUDA {cuda}, several GB) and this machine has no GPU: the labs run "
+            f"on the CPU either way. The CPU build is a few hundred MB: rm -rf .venv && TORCH_INDEX_URL={CPU_INDEX} "
+            "./lab.sh")
 
 
 def doctor(ranks: int = 2) -> int:

@@ -91,6 +91,21 @@ def test_the_tested_range_is_the_one_readme_and_pyproject_state():
     assert f"torch>={t['torch'][0]}" in project["dependencies"]
 
 
+def test_doctor_notes_a_cuda_build_on_a_machine_without_a_gpu():
+    note = doctor.cuda_build_note("13.0", 0)
+    assert "CUDA build" in note and "no GPU" in note and f"TORCH_INDEX_URL={doctor.CPU_INDEX}" in note
+    assert doctor.cuda_build_note("13.0", 1) is None and doctor.cuda_build_note(None, 0) is None
+
+
+def test_a_cuda_build_without_a_gpu_does_not_print_kineto_s_complaint_in_a_cell():
+    from lablib.pool.cluster import noise
+
+    # what the profiler of a CUDA build prints at each start on a machine with no GPU (lab 03, section 7)
+    assert noise("WARNING:2026-12-01 10:00:00 1234:1234 DeviceUtil.cpp:39] gpuGetDeviceCount failed with code 35\n")
+    assert noise("USDT:2026-12-01 20:06:55 12320:12320 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+    assert not noise("RuntimeError: CUDA error: no kernel image is available\n")
+
+
 def test_doctor_rejects_a_bad_rank_count():
     out = subprocess.run([sys.executable, "-m", "lablib", "doctor", "--ranks", "0"], capture_output=True, text=True)
     assert out.returncode == 2 and "expected a whole number of ranks >= 1" in out.stderr

@@ -263,12 +263,33 @@ def test_the_real_cpu_index_gives_a_cpu_wheel(tmp_path):
     env = {k: v for k, v in _env(PIP_CONFIG_FILE=os.devnull).items() if not k.startswith("PIP_") or k == "PIP_CONFIG_FILE"}
     report = tmp_path / "report.json"
     out = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
-                          "--report", str(report), "torch", "--index-url", chosen], capture_output=True, text=True, env=env, timeout=300)
+                          "--report", str(report), torch_spec(), "--index-url", chosen], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     (item,) = json.loads(report.read_text())["install"]
     assert item["download_info"]["url"].startswith("https://download.pytorch.org/whl/cpu/")
     if platform.machine() == "x86_64":
         assert item["metadata"]["version"].endswith("+cpu")
+
+
+def torch_spec() -> str:
+    out = sourced('printf "%s" "$TORCH_SPEC"', env=_env())
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_new_venv_gets_the_torch_ci_tests_and_readme_names():
+    """lab.sh installs one torch wherever it comes from (the CPU index, pip's default, TORCH_INDEX_URL): the
+    version CI runs the suite on, inside the tested range, named in the README's table."""
+    from lablib.doctor import TESTED, _version_tuple
+
+    spec = torch_spec()
+    assert spec.startswith("torch=="), spec
+    version = spec.split("==")[1]
+    first, last = TESTED["torch"]
+    assert _version_tuple(first) <= _version_tuple(version)[:2] <= _version_tuple(last)
+    readme = (ROOT / "README.md").read_text()
+    assert f"| {version}+cpu |" in readme or f"| {version} |" in readme, f"README's tested versions lack torch {version}"
 
 
 # --- the learner's working copy ----------------------------------------------------------------

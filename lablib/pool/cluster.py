@@ -48,6 +48,14 @@ _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 # C-level lines a rank prints that mean nothing to a learner: torch.profiler's start/stop; torch 2.8's Gloo
 # saying it connected ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number ...") for each new group
 _NOISE = ("USDT:", "[Gloo] Rank ")
+# and, anywhere in a line: a CUDA build of torch on a machine without a GPU, whose profiler (Kineto) says it
+# found none at each start (`lablib doctor` says once what that build costs and how to take the CPU one)
+_NOISE_IN = ("gpuGetDeviceCount failed",)
+
+
+def noise(text: str) -> bool:
+    """Whether a line a rank printed is noise to a learner (``_NOISE``)."""
+    return text.startswith(_NOISE) or any(part in text for part in _NOISE_IN)
 
 
 class _Worker:
@@ -280,7 +288,7 @@ class Cluster:
     def _pipe_loop(self, w, stream, pipe):
         for line in iter(pipe.readline, b""):
             text = line.decode(errors="replace")
-            if text.startswith(_NOISE):
+            if noise(text):
                 continue
             if stream == "stderr" and text.strip() and not text.startswith("[W"):  # c10d warnings are noise here
                 w.last_words.append(text.strip())
