@@ -237,8 +237,9 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
     """Train on this rank (inside ``cluster.run``) with FSDP units driven by ``hooks``.
 
     ``depth``: how far ahead prefetching hooks gather (``ctx.depth``); ``link``: a simulated link
-    (``comm.LINKS``) for every collective; ``warmup``: steps run before the timeline starts recording;
-    ``seed``: other initial weights and batches (hidden checks).
+    (``comm.LINKS``) for every collective; ``warmup``: steps run, and not timed, before the ``steps``
+    timed ones, of which the timeline records the last; ``seed``: other initial weights and batches
+    (hidden checks).
     Returns the full parameters (gathered), the losses, the first step's log of what each unit held
     after each moment, the peak bytes of gathered parameters, the bytes held between steps, and the
     seconds of each recorded step."""
@@ -254,7 +255,7 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
     try:
         with comm.simulated(link):
             for step in range(warmup + steps):
-                if step == warmup:
+                if step == warmup + steps - 1:
                     start_recording()
                 record.logging = step == 0  # the first step's moments are logged
                 t = _now()
@@ -285,9 +286,14 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
             "seconds": seconds}
 
 
+def step_times(results) -> list[float]:
+    """Each timed step's seconds, on the slowest rank."""
+    return [max(r["seconds"][k] for r in results) for k in range(len(results[0]["seconds"]))]
+
+
 def step_seconds(results) -> float:
     """A step's time: the median over steps of the slowest rank."""
-    return statistics.median(max(r["seconds"][k] for r in results) for k in range(len(results[0]["seconds"])))
+    return statistics.median(step_times(results))
 
 
 def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmup: int = 0,
@@ -328,13 +334,19 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
 
 
 def measure(cluster, hooks: Hooks, depth: int = 0, link: comm.Link | None = None, model_name: str = "wide8",
-            steps: int = 1) -> dict:
-    """Train ``steps`` recorded steps (after one warm-up step) on ``cluster``: the step time (median over
-    steps of the slowest rank), the peak bytes of full parameters a rank held, the timeline and the
-    fraction of its communication that ran under compute."""
+            steps: int = 5) -> dict:
+    """Train ``steps`` timed steps (after one warm-up step) on ``cluster``: the step time (median over
+    steps of the slowest rank) and its range, the peak bytes of full parameters a rank held, the timeline
+    of the last step and the fraction of its communication that ran under compute. On a real link the
+    job runs under ``lablib.timed``, so time a collective spent queued behind others is not counted as
+    communication."""
     from ..overlap import hidden_fraction
+    from ..profiling import timed
 
-    results = cluster.run(train, hooks, model_name, steps, depth=depth, link=link, warmup=1)
+    args = (train, hooks, model_name, steps)
+    results = cluster.run(*args, depth=depth, link=link, warmup=1) if link else \
+        cluster.run(timed, *args, depth=depth, link=link, warmup=1)
     timeline = cluster.timeline()
-    return {"depth": depth, "step": step_seconds(results), "peak": max(r["peak"] for r in results),
-            "timeline": timeline, "hidden": hidden_fraction(timeline)}
+    times = step_times(results)
+    return {"depth": depth, "step": statistics.median(times), "range": (min(times), max(times)), "steps": steps,
+            "peak": max(r["peak"] for r in results), "timeline": timeline, "hidden": hidden_fraction(timeline)}

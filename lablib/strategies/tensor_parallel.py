@@ -210,7 +210,8 @@ def block_job(fns: Fns, steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
         if step >= warmup and RECORDER.spans is not None:
             names = list(marks)
             RECORDER.spans.extend(RawSpan(name, "compute", marks[name], marks[names[i + 1]] if i + 1 < len(names) else end,
-                                          0, None, False, {}) for i, name in enumerate(names))
+                                          0, None, False, {"op": "forward" if name[0] == "F" else "backward"})
+                                  for i, name in enumerate(names))
         seconds.append((end - marks["F attn"]) / 1e9)
     if RECORDER.spans is not None:
         RECORDER.spans[:] = _cut_at_comm(RECORDER.spans)

@@ -5,6 +5,8 @@ every rank and returns plain results (outputs, gradients, the collectives issued
 same weights beside them, for the checks to judge against a single-process reference."""
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward
-from .prefetch import start_recording, step_seconds
+from .prefetch import start_recording, step_times
 from .tensor_parallel import WIDE, Fns, _rank, block_job, leaves, shard_column, shard_row, wide_block
 
 
@@ -256,19 +258,22 @@ def dtensor_block_job(steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
     return {"seconds": seconds[warmup:]}
 
 
-def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int = 3) -> dict:
+def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int = 5) -> dict:
     """The wide block at each tensor-parallel degree (a pool of that size: ``cluster`` where it matches,
-    else one started and closed here): {degree: step time (median over steps of the slowest rank),
-    DTensor's on the same pool, the timeline of the recorded steps}."""
+    else one started and closed here), ``steps`` timed steps after a warm-up: {degree: step time (median
+    over steps of the slowest rank) and its range, DTensor's on the same pool, the timeline of the
+    recorded steps}."""
     from ..pool import Cluster
 
     out = {}
     for n in degrees:
         pool = cluster if n == cluster.world_size else Cluster(n, backend=cluster.backend, quiet=True)
         try:
-            dtensor = step_seconds(pool.run(dtensor_block_job, steps))
-            step = step_seconds(pool.run(block_job, fns, steps))
-            out[n] = {"step": step, "dtensor": dtensor, "timeline": pool.timeline(), "steps": steps}
+            dtensor = step_times(pool.run(dtensor_block_job, steps))
+            times = step_times(pool.run(block_job, fns, steps))
+            out[n] = {"step": statistics.median(times), "range": (min(times), max(times)),
+                      "dtensor": statistics.median(dtensor), "dtensor_range": (min(dtensor), max(dtensor)),
+                      "timeline": pool.timeline(), "steps": steps}
         finally:
             if pool is not cluster:
                 pool.close()

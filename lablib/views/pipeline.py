@@ -16,7 +16,7 @@ def plan_figure(schedule, v: int = 1, title: str = "", split: bool | None = None
     op = {"F": "forward", "B": "backward", "W": "weight_grad"}
     # each bar a little short of its slot, so neighbours of one colour stay apart; the stage on hover
     spans = [Span(r, f"{a.kind}{a.mb} on stage {a.stage}", "compute", t0 / 1e3, (t1 - 0.04 / v) / 1e3,
-                  meta={"op": op[a.kind], "label": f"{a.kind}{a.mb}"})
+                  meta={"op": op[a.kind], "label": f"{a.kind}{a.mb}", "stage": a.stage})
              for r, run in enumerate(runs) for a, t0, t1 in run]
     fig = Timeline(spans, len(acts)).figure(title=title + f" (planned: bubble {sc.bubble(runs):.3f})", numbers=False)
     fig.update_xaxes(title="time in units of one forward of one rank's layers (planned, not measured)")
@@ -55,7 +55,7 @@ def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | Non
     results = cluster.run(ref.step_job, fns["execute"], schedule_fn, 1 if naive else m, v, cost, repeats, rows)
     timeline = cluster.timeline()
     p = cluster.world_size
-    return {"name": name, "p": p, "m": 1 if name == "naive" else m, "v": v, "timeline": timeline,
+    return {"name": name, "p": p, "m": 1 if name == "naive" else m, "v": v, "timeline": timeline, "cost": cost,
             **breakdown(timeline), "theory": sc.theory(name, p, m, v),
             "peak": [r["peak"] for r in results], "per_mb": results[0]["per_mb"]}
 
@@ -72,8 +72,14 @@ def timelines(runs):
 
 
 def table(runs) -> str:
-    """One line per run: the step, its busy/bubble/overhead split and the theory's bubble."""
-    lines = [f"{'schedule':<21}{'p':>3}{'m':>4}{'v':>3}{'step ms':>9}{'busy':>7}{'bubble':>8}{'theory':>8}{'overhead':>10}"]
+    """One line per run: the step, its busy/bubble/overhead split and the theory's bubble, under a line
+    that says what was measured (real compute, or simulated compute with real messages)."""
+    costs = {r["cost"] for r in runs}
+    how = ("measured on this machine: real compute, real messages" if costs == {None} else
+           f"simulated compute ({', '.join(f'{c * 1e3:g} ms' for c in sorted(costs - {None}))} per block, "
+           "a full backward twice that), real messages" + (", and runs with real compute" if None in costs else ""))
+    lines = [how, f"{'schedule':<21}{'p':>3}{'m':>4}{'v':>3}{'step ms':>9}{'busy':>7}{'bubble':>8}{'theory':>8}"
+                  f"{'overhead':>10}"]
     for r in runs:
         lines.append(f"{TITLES[r['name']]:<21}{r['p']:>3}{r['m']:>4}{r['v']:>3}{r['step'] * 1e3:>9.1f}{r['busy']:>7.2f}"
                      f"{r['bubble']:>8.3f}{r['theory']:>8.3f}{r['overhead']:>10.3f}")

@@ -18,6 +18,20 @@ def depth_figure(rows, link=None):
                       xaxis_title="peak full parameters held per rank (MB, measured)",
                       yaxis_title="step time (ms)", height=380, margin=dict(t=50, b=40),
                       plot_bgcolor="white")
-    fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")
+    # x starts a little left of 0, so its "0" is not printed over the y axis's "0" at the corner
+    most = max((r["peak"] / 1e6 for r in rows), default=1.0) or 1.0
+    fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", range=[-0.04 * most, 1.12 * most])
     fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")
     return fig
+
+
+def step_lines(runs: dict, how: str) -> str:
+    """One line per run of ``prefetch.measure``: the median step, its range over the timed steps, and the
+    share of the last step's communication that ran under compute. ``how``: what was measured ("measured,
+    Gloo"; "simulated link")."""
+    lines = []
+    for name, m in runs.items():
+        lo, hi = m["range"]
+        lines.append(f"{name:18s} step {m['step'] * 1e3:6.1f} ms (median of {m['steps']}, {lo * 1e3:.1f}–{hi * 1e3:.1f}), "
+                     f"{m['hidden']:4.0%} of the last step's communication under compute ({how})")
+    return "\n".join(lines)

@@ -76,3 +76,21 @@ def traffic(timeline, tokens: int, width: int, steps: int) -> dict:
     return {"ranks": n, "payload": payload, "formula": 4 * width * 4,
             "wire": None if wire is None else wire / steps / tokens,
             "ring": 4 * width * 4 * 2 * (n - 1) / n}
+
+
+def _ms(median: float, spread: tuple) -> str:
+    return f"{median * 1e3:6.1f} ms ({spread[0] * 1e3:.1f}–{spread[1] * 1e3:.1f})"
+
+
+def step_table(runs: dict, tokens: int, width: int) -> str:
+    """Lab 04's measured table: per degree the step (median of the timed steps, and their range) beside
+    DTensor's, and the bytes per token: the payload traced, Megatron's count, the bytes each rank wrote
+    to its sockets and the ring's 2(n-1)/n of the payload."""
+    lines = [f"measured on this machine: median of {next(iter(runs.values()))['steps']} steps (their range)"]
+    for n, r in runs.items():
+        t = traffic(r["timeline"], tokens, width, r["steps"])
+        wire = "   n/a" if t["wire"] is None else f"{t['wire']:6.0f}"
+        lines.append(f"TP {n}: step {_ms(r['step'], r['range'])}, DTensor {_ms(r['dtensor'], r['dtensor_range'])} | "
+                     f"per token and step: payload {t['payload']:5.0f} B (formula {t['formula']}), sent per rank "
+                     f"{wire} B (ring {t['ring']:.0f})")
+    return "\n".join(lines)
