@@ -25,7 +25,7 @@ MY_LABS="${MY_LABS:-my-labs}"
 # LABSH_NVIDIA_SMI (a command), LABSH_NVIDIA_PATHS (paths whose presence means a driver) and
 # LABSH_CPU_INDEX replace what the choice of torch build probes.
 CPU_INDEX="${LABSH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
-# The torch CI tests with (README, Tested versions): what a new .venv gets, wherever it comes from.
+# The torch CI tests with (docs/clusters.md, Tested versions): what a new .venv gets, wherever it comes from.
 TORCH_SPEC="torch==${TORCH_VERSION:-2.13.0}"
 
 usage() {

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     grd = sub.add_parser("grade", help="check learners' exercise code in a sandbox, score their quizzes, write a "
                                        "gradebook", description="Each learner's exercise functions run in a box "
                          "(bubblewrap) and the data they produce is judged outside it; the quiz answers are scored "
-                         "with the instructor's banks. See the README's 'For instructors'.")
+                         "with the instructor's banks. See docs/instructors.md.")
     grd.add_argument("submissions", help="one folder per learner, holding their notebooks and quiz_answers.json")
     grd.add_argument("--release", default=str(LABS),
                      help="the released notebooks whose check cells say what is checked (default: labs/)")

@@ -22,7 +22,7 @@ WHY = {
 
 
 # The versions the whole test suite passed on (tests/compat.sh runs it with another Python and torch):
-# first and last, compared by major.minor. README.md's "Tested versions" says the same (a test holds the
+# first and last, compared by major.minor. docs/clusters.md's "Tested versions" says the same (a test holds the
 # two together), and the lower ends are pyproject.toml's minimums. `lablib doctor` warns outside them.
 TESTED = {"python": ("3.10", "3.13"), "torch": ("2.8", "2.15"), "jupyterlab": ("4.6", "4.6"),
           "ipywidgets": ("8.1", "8.1")}
@@ -36,7 +36,7 @@ def untested(name: str, version: str) -> str | None:
         return None
     label = "Python" if name == "python" else name
     return (f"warning: running {label} {version}, but the course was tested with {label} {first} to {last} "
-            f"(see README.md, Tested versions): it may still work")
+            f"(see docs/clusters.md, Tested versions): it may still work")
 
 
 def requirements() -> list[tuple[str, str, str]]:

@@ -72,12 +72,12 @@ def test_doctor_warns_in_one_line_when_torch_is_outside_the_tested_range(monkeyp
     out = capsys.readouterr().out
     lines = [line.strip() for line in out.splitlines() if "warning:" in line]
     assert lines == [f"warning: running torch {md.version('torch')}, but the course was tested with torch 2.0 to 2.1 "
-                     "(see README.md, Tested versions): it may still work"]
+                     "(see docs/clusters.md, Tested versions): it may still work"]
 
 
-def test_the_tested_range_is_the_one_readme_and_pyproject_state():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Tested versions\n", 1)[1].split("\n#", 1)[0]
+def test_the_tested_range_is_the_one_the_docs_and_pyproject_state():
+    readme = (ROOT / "docs" / "clusters.md").read_text()
+    section = readme.split("## Tested versions\n", 1)[1].split("\n#", 1)[0]
     t = doctor.TESTED
     for words in (f"Python {t['python'][0]} to {t['python'][1]}", f"torch {t['torch'][0]} to {t['torch'][1]}",
                   f"JupyterLab {t['jupyterlab'][0]}", f"ipywidgets {t['ipywidgets'][0]}"):

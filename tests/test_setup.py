@@ -280,7 +280,7 @@ def torch_spec() -> str:
 
 def test_a_new_venv_gets_the_torch_ci_tests_and_readme_names():
     """lab.sh installs one torch wherever it comes from (the CPU index, pip's default, TORCH_INDEX_URL): the
-    version CI runs the suite on, inside the tested range, named in the README's table."""
+    version CI runs the suite on, inside the tested range, named in docs/clusters.md's table."""
     from lablib.doctor import TESTED, _version_tuple
 
     spec = torch_spec()
@@ -288,8 +288,8 @@ def test_a_new_venv_gets_the_torch_ci_tests_and_readme_names():
     version = spec.split("==")[1]
     first, last = TESTED["torch"]
     assert _version_tuple(first) <= _version_tuple(version)[:2] <= _version_tuple(last)
-    readme = (ROOT / "README.md").read_text()
-    assert f"| {version}+cpu |" in readme or f"| {version} |" in readme, f"README's tested versions lack torch {version}"
+    docs = (ROOT / "docs" / "clusters.md").read_text()
+    assert f"| {version}+cpu |" in docs or f"| {version} |" in docs, f"docs/clusters.md's tested versions lack torch {version}"
 
 
 # --- the learner's working copy ----------------------------------------------------------------

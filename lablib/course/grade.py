@@ -1,6 +1,6 @@
 """Grading (``lablib grade``): each learner's exercise code runs in a box, the data it produces is judged
 outside the box, and a gradebook (CSV) and a report per learner are written. See ``lablib grade --help``
-and the README's "For instructors".
+and docs/instructors.md.
 
 Per learner: every notebook is read as data (never run whole). exercises.py takes the exercise code and
 the check calls of the instructor's release (plus the hidden ones of the source), refuses code that
