@@ -22,8 +22,6 @@ kernels: the overlap is real, but communication takes SMs and memory bandwidth f
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
+from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until
 
 # torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
 # loops). PyTorch 2.13 renamed them and warns on the old names.
@@ -44,114 +43,6 @@ def device() -> torch.device:
     if dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-class Work:
-    """Wraps a ``torch.distributed`` work handle so its span closes when the work completes (under a
-    simulated link: at ``end``, ns on the span clock), not when ``wait()`` happens to be called.
-    ``waited``: whether ``wait()`` was called.
-
-    Gloo's send and recv works have no future: a watcher thread waits on them instead (``_WATCHER``),
-    so a message's bar ends when it was delivered even if the program waits for its handle much later
-    (lab 05's executor waits for its sends at the end of the step). ``wait()`` then waits for the
-    watcher, and ``done_at`` says when the work completed (ns on the span clock)."""
-
-    def __init__(self, work, trace: AsyncSpan, end: int | None = None, target=None):
-        self._work, self._span, self._end, self._target = work, trace, end, target
-        self._waited, self._done, self._error, self.done_at = False, None, None, None
-        if end is None:
-            try:
-                work.get_future().add_done_callback(self._complete)
-            except (RuntimeError, AttributeError):  # Gloo's send/recv works have no future
-                self._done = threading.Event()
-                _WATCHER.watch(work, self._watched)
-
-    def _complete(self, *_):
-        self.done_at = _now()
-        self._span.close(at=self.done_at)
-
-    def _watched(self, error):
-        self._error = error
-        self._complete()
-        self._done.set()
-
-    @property
-    def op(self) -> str | None:
-        return self._span.meta.get("op")
-
-    @property
-    def nbytes(self) -> int | None:
-        """The bytes this rank contributes (as on its span)."""
-        return self._span.bytes
-
-    @property
-    def waited(self) -> bool:
-        return self._waited
-
-    @property
-    def target(self):
-        """The tensor the collective writes into."""
-        return self._target
-
-    def wait(self, *args):
-        if self._end is not None:  # the data is here already; the link would still be busy until _end
-            _sleep_until(self._end)
-            self._span.close(at=self._end)
-            self._waited = True
-            return True
-        if self._done is not None:
-            timeout = args[0] if args else None
-            if not self._done.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout):
-                raise RuntimeError(f"{self._span.name}: not completed within {timeout}")
-            if self._error is not None:
-                raise self._error
-            out = True
-        else:
-            out = self._work.wait(*args)
-        self._span.close()  # a no-op where the completion closed it already
-        self._waited = True
-        return out
-
-    def is_completed(self):
-        if self._end is not None:
-            return _now() >= self._end
-        return self._done.is_set() if self._done is not None else self._work.is_completed()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class _Watcher:
-    """Threads that wait on works without a future and report when each completed. A thread for each
-    work in flight (idle ones are reused), so no message's completion is seen late because another,
-    undelivered one holds the thread."""
-
-    def __init__(self):
-        self._lock, self._idle, self._queue = threading.Lock(), 0, queue.SimpleQueue()
-
-    def watch(self, work, done) -> None:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-            else:
-                threading.Thread(target=self._loop, name="lablib-work-watcher", daemon=True).start()
-        self._queue.put((work, done))
-
-    def _loop(self):
-        while True:
-            work, done = self._queue.get()
-            try:
-                work.wait()
-                error = None
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the handle
-                error = exc
-            done(error)
-            del work, done
-            with self._lock:
-                self._idle += 1
-
-
-_WATCHER = _Watcher()
 
 
 # Bytes one rank sends, as a fraction of a collective's full size S, in the bandwidth-optimal ring
@@ -270,12 +161,6 @@ def restart_clock() -> None:
     CLOCK.paused = 0
 
 
-def _sleep_until(t: int) -> None:
-    left = t - _now()
-    if left > 0:
-        time.sleep(left / 1e9)
-
-
 def _over_link(link, name, nbytes, async_op, call, op, meta, target):
     issued = _now()
     real = time.perf_counter_ns()
@@ -300,6 +185,16 @@ def _over_link(link, name, nbytes, async_op, call, op, meta, target):
 
 # (op, the tensor written into, bytes in) of each traced collective issued while a list is here (labs 03, 04)
 WATCH: list = [None]
+
+
+def watched(fn, *args):
+    """``fn(*args)`` and the traced collectives it issued, in order: "all_reduce 3072" (its name and the
+    bytes it took in)."""
+    WATCH[0] = []
+    try:
+        return fn(*args), [f"{op} {nbytes}" for op, _, nbytes in WATCH[0]]
+    finally:
+        WATCH[0] = None
 
 
 def _traced(name, nbytes, async_op, call, tensor, op, target=None, **meta):
@@ -337,32 +232,6 @@ def all_gather(output, input, group=None, async_op=False, name="all_gather"):
     return _traced(name, input.nbytes, async_op, call, input, "all_gather", target=output)
 
 
-class _CopyOut:
-    """An asynchronous all-gather into a buffer of its own, copied into ``output`` by ``wait()`` (as FSDP2
-    copies out of its all-gather buffer). Gloo writes into the buffer from its own threads; had it
-    written into ``output`` directly, freeing ``output``'s storage while the gather was in flight (an
-    easy mistake when prefetching) would let it write into freed memory and crash the rank."""
-
-    def __init__(self, output, start):
-        self._output, self._buffer = output, torch.empty(output.shape, dtype=output.dtype)
-        self._work = start(self._buffer)
-
-    def wait(self, *args):
-        self._work.wait(*args)
-        if self._output.untyped_storage().nbytes() < self._buffer.nbytes:
-            raise RuntimeError("an all_gather(..., async_op=True) lost its output: the output's storage was freed "
-                               f"({self._output.untyped_storage().nbytes()} bytes left of {self._buffer.nbytes}) "
-                               "while the gather was in flight. Wait for a unit's gather before freeing it.")
-        self._output.copy_(self._buffer)
-        return True
-
-    def is_completed(self):
-        return self._work.is_completed()
-
-    def get_future(self):
-        return self._work.get_future()
-
-
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
     def call():
@@ -371,31 +240,6 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
         return reduce_scatter_single(output, input, op, group, async_op)
 
     return _traced(name, input.nbytes, async_op, call, input, "reduce_scatter", target=output)
-
-
-class _GlooAsyncReduceScatter:
-    """Gloo runs an asynchronous reduce-scatter only once it is waited for (PyTorch 2.13: the work does
-    not progress before ``wait()``), so nothing could overlap it. Gloo builds its reduce-scatter from an
-    all-reduce anyway; this issues that all-reduce (on a copy), which Gloo does run in the background,
-    and copies this rank's chunk out when it completes: the same bytes on the wire, truly async."""
-
-    def __init__(self, output, input, op, group):
-        rank = dist.get_rank(group)
-        buffer = input.detach().clone()
-        self._work = dist.all_reduce(buffer, op, group, async_op=True)
-        chunk = buffer.view(-1)[rank * output.numel():(rank + 1) * output.numel()]
-        self._future = self._work.get_future().then(lambda _: output.view(-1).copy_(chunk))
-
-    def wait(self, *args):
-        self._work.wait(*args)
-        self._future.wait()
-        return True
-
-    def is_completed(self):
-        return self._future.done()
-
-    def get_future(self):
-        return self._future
 
 
 def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):

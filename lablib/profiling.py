@@ -116,7 +116,7 @@ def backend_runs(events: list[dict], mark_ns: int) -> list[tuple[int, int, int, 
 
 
 # A span's op -> the c10d calls that can carry it (Gloo's asynchronous reduce-scatter is an all-reduce:
-# comm._GlooAsyncReduceScatter).
+# work._GlooAsyncReduceScatter).
 _CARRIES = {"reduce_scatter": ("reduce_scatter", "all_reduce")}
 SLACK_NS = 500_000  # how far the profiler's clock may sit from the rank's after the marker (measured: ~0.2 ms)
 

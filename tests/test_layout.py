@@ -10,7 +10,7 @@ from lablib.labs import LABS
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lablib"
 # What runs on the ranks: a rank imports these (and what they import) to run a job.
-RANK_SIDE = ["lablib.pool.worker", "lablib.timeline", "lablib.overlap", "lablib.profiling", "lablib.comm",
+RANK_SIDE = ["lablib.pool.worker", "lablib.timeline", "lablib.overlap", "lablib.profiling", "lablib.comm", "lablib.work",
              "lablib.toy", "lablib.memory", "lablib.bandwidth", "lablib.strategies.flat", "lablib.strategies.harness",
              "lablib.strategies.zero", "lablib.strategies.fsdp", "lablib.strategies.ring", "lablib.strategies.prefetch",
              "lablib.strategies.tensor_parallel", "lablib.strategies.tp_reference", "lablib.strategies.schedules", "lablib.strategies.pipeline",
@@ -105,3 +105,9 @@ def test_every_lab_is_its_four_files_and_every_source_is_registered():
         for strategy in lab.strategies:
             assert (PACKAGE / "strategies" / f"{strategy}.py").exists(), (lab, strategy)
     assert sorted(p.stem for p in (ROOT / "sources").glob("*.ipynb")) == [lab.notebook for lab in LABS]
+
+
+def test_no_file_in_lablib_is_over_400_lines():
+    """Small files: a module that grows past 400 lines is split where its code has seams."""
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split these where their code has seams: {long}"

@@ -64,7 +64,7 @@ def test_a_collective_learns_when_the_backend_ran_it_from_the_profiler():
     from lablib.profiling import backend_runs, mark_runs
     from lablib.timeline import RawSpan
 
-    main, worker = 1, 2
+    worker = 2  # the main thread is tid 1 (X's default)
     events = [X(MARK, 1000.0, 0.5), X("c10d::barrier", 1001.0, 0.1),   # an untraced call: no span of its own
               X("c10d::allreduce_", 1010.0, 0.2), X("c10d::_allgather_base_", 1011.0, 0.2),
               X("c10d::send", 1015.0, 0.2), X("gloo:send", 1015.1, 9.0),  # point to point: on the main thread

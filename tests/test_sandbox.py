@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lablib.course import sandbox
+from lablib.course.cgroup import _cgroup_homes
 from procs import HUNG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def cgroup(request, monkeypatch):
     """Both ways of limiting: a cgroup where this process may make one, and without (rlimit, and only the
     pid namespace to end every process)."""
     if request.param == "no cgroup":
-        monkeypatch.setattr(sandbox._Cgroup, "make", classmethod(lambda cls, limits: None))
+        monkeypatch.setattr(sandbox._Cgroup, "make", classmethod(lambda cls, memory_bytes, processes: None))
     return request.param
 
 
@@ -305,5 +306,5 @@ def test_without_bwrap_it_warns_or_refuses(work, monkeypatch):
      {"memory": ("/sys/fs/cgroup/memory", "v1")}),
 ])
 def test_where_the_run_cgroup_is_made(proc_cgroup, mountinfo, homes):
-    found = sandbox._cgroup_homes(proc_cgroup, mountinfo)
+    found = _cgroup_homes(proc_cgroup, mountinfo)
     assert {c: (str(d), v) for c, (d, v) in found.items()} == homes

@@ -18,6 +18,19 @@ LATE_GRACE = 0.75     # past the collective timeout, so a blocked collective rep
 LOST = object()       # event: a rank's connection closed (it exited or was killed)
 
 
+# C-level lines a rank prints that mean nothing to a learner: torch.profiler's start/stop; torch 2.8's Gloo
+# saying it connected ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number ...") for each new group
+_NOISE = ("USDT:", "[Gloo] Rank ")
+# and, anywhere in a line: a CUDA build of torch on a machine without a GPU, whose profiler (Kineto) says it
+# found none at each start (`lablib doctor` says once what that build costs and how to take the CPU one)
+_NOISE_IN = ("gpuGetDeviceCount failed",)
+
+
+def noise(text: str) -> bool:
+    """Whether a line a rank printed is noise to a learner (``_NOISE``)."""
+    return text.startswith(_NOISE) or any(part in text for part in _NOISE_IN)
+
+
 def print_output(rank, out: P.Out):
     """A rank's output in the cell, each line prefixed with the rank."""
     stream = sys.stderr if out.stream == "stderr" else sys.stdout

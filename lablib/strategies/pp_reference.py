@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from .pipeline import data, model, stages_of
 from .schedules import SCHEDULES
 from .prefetch import start_recording
@@ -66,8 +67,6 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
     gradients, the messages it sent and received ("send 512": which, bytes), the actions its stages ran
     ("F2/0": forward of micro-batch 2 on stage 0; "B", "BW" or "W"), what they still hold, and PyTorch's
     gradients."""
-    from . import tp_reference
-
     r, p = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, v in CHECKED:
@@ -78,7 +77,7 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
         mine = dict(stages)
         params = {s: [q for b in st.blocks for q in b.parameters()] for s, st in mine.items()}
         record = next(iter(mine.values())).rank_held
-        _, ops = tp_reference.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r])
+        _, ops = comm.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r])
         left = [f"stage {s} holds micro-batch {mb}" for s, st in mine.items() for mb in st._held]
         out[name] = {"grads": _grads(params), "ops": ops, "left": left, "ran": [f"{k}{mb}/{s}" for k, mb, s in record.log],
                      "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}

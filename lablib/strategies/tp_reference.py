@@ -33,16 +33,6 @@ def inputs(seed: int, *shape):
     return torch.randn(shape, generator=g), torch.randn(shape[:-1] + (FFN,), generator=g), torch.randn(shape, generator=g)
 
 
-def watched(fn, *args):
-    """``fn(*args)`` and the traced collectives it issued, in order: "all_reduce 3072" (its name and the
-    bytes it took in)."""
-    comm.WATCH[0] = []
-    try:
-        return fn(*args), [f"{op} {nbytes}" for op, _, nbytes in comm.WATCH[0]]
-    finally:
-        comm.WATCH[0] = None
-
-
 def _grads(*ts):
     return [None if t.grad is None else t.grad.detach().clone() for t in ts]
 
@@ -63,7 +53,7 @@ def split_job(shard_column, shard_row, row_linear, seed=None) -> dict:
     out.update(column=y.detach(), column_grads=_grads(lw1, lb1))
     h = F.gelu(ff.fc1(x)).detach().chunk(n, -1)[r]   # this rank's slice of fc2's input
     with torch.no_grad():
-        out["row"], out["row_ops"] = watched(row_linear, h, w2, b2)
+        out["row"], out["row_ops"] = comm.watched(row_linear, h, w2, b2)
     return out
 
 
@@ -73,10 +63,10 @@ def _fits(w, b, shape, bias) -> bool:
 
 
 def _run(fn, args, grad_out, leaves_):
-    y, fwd = watched(fn, *args)
+    y, fwd = comm.watched(fn, *args)
     if not isinstance(y, torch.Tensor) or y.shape != grad_out.shape:
         return {"out": y if isinstance(y, torch.Tensor) else None, "fwd": fwd}
-    _, bwd = watched(lambda: (y * grad_out).sum().backward())
+    _, bwd = comm.watched(lambda: (y * grad_out).sum().backward())
     return {"out": y.detach(), "fwd": fwd, "bwd": bwd, "grads": _grads(*leaves_)}
 
 
@@ -215,7 +205,6 @@ def dtensor_sp(ff, x, dy):
     return out
 
 
-
 def dtensor_block_job(steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
     """The same block with DTensor: ``SplitQKV``-style Q/K/V and fc1 colwise, proj and fc2 rowwise."""
     import time
@@ -260,21 +249,17 @@ def dtensor_block_job(steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
 
 def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int = 5) -> dict:
     """The wide block at each tensor-parallel degree (a pool of that size: ``cluster`` where it matches,
-    else one started and closed here), ``steps`` timed steps after a warm-up: {degree: step time (median
+    else ``lablib.pool.spare``'s), ``steps`` timed steps after a warm-up: {degree: step time (median
     over steps of the slowest rank) and its range, DTensor's on the same pool, the timeline of the
     recorded steps}."""
-    from ..pool import Cluster
+    from ..pool import spare
 
     out = {}
     for n in degrees:
-        pool = cluster if n == cluster.world_size else Cluster(n, backend=cluster.backend, quiet=True)
-        try:
-            dtensor = step_times(pool.run(dtensor_block_job, steps))
-            times = step_times(pool.run(block_job, fns, steps))
-            out[n] = {"step": statistics.median(times), "range": (min(times), max(times)),
-                      "dtensor": statistics.median(dtensor), "dtensor_range": (min(dtensor), max(dtensor)),
-                      "timeline": pool.timeline(), "steps": steps}
-        finally:
-            if pool is not cluster:
-                pool.close()
+        pool = cluster if n == cluster.world_size else spare(n, cluster.backend)
+        dtensor = step_times(pool.run(dtensor_block_job, steps))
+        times = step_times(pool.run(block_job, fns, steps))
+        out[n] = {"step": statistics.median(times), "range": (min(times), max(times)),
+                  "dtensor": statistics.median(dtensor), "dtensor_range": (min(dtensor), max(dtensor)),
+                  "timeline": pool.timeline(), "steps": steps}
     return out

@@ -1,0 +1,123 @@
+"""The labs' claims, each against what it is compared with on the same ranks: the learner's rings
+against Gloo's collectives (P3, lab 02), FSDP with prefetching against FSDP2 (P4) and what it hides
+(P5, lab 03), the pipeline executor and its bubbles (P6, lab 05), the tensor-parallel block against
+DTensor (P9, lab 04)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import statistics
+
+from .rows import Row, Settings, side_by_side
+
+
+def p3_collectives(s: Settings) -> list[Row]:
+    from .. import bandwidth
+    from ..pool import Cluster
+
+    size = 16 << 20
+    rows = []
+    for n in (2, 4):
+        runs = []
+        with Cluster(n, backend=s.backend, timeout=120, quiet=True) as c:
+            for _ in range(s.reps):
+                runs.append(bandwidth.sweep(c, [size], iters=3 if s.quick else 5))
+
+        def busbw(op, impl):
+            return [next(r["busbw"] for r in rows_ if (r["op"], r["impl"]) == (op, impl)) for rows_ in runs]
+
+        for op in bandwidth.OPS:
+            rows.append(Row("P3", f"ring {op.replace('_', '-')} busbw, 16 MiB, {n} ranks", "GB/s", busbw(op, "ring"),
+                            busbw(op, "torch"), "torch.distributed (Gloo or NCCL)"))
+        rows.append(Row("P3", f"ring all-gather busbw vs a memory copy, 16 MiB, {n} ranks", "GB/s",
+                        busbw("all_gather", "ring"), busbw("memcpy", "torch"), "memory copy (one rank)"))
+    return rows
+
+
+def p4_fsdp(s: Settings) -> list[Row]:
+    from ..strategies import prefetch
+
+    rows = []
+    for n in (2, 4):
+        ours, theirs = side_by_side(
+            s, n, lambda c: prefetch.step_seconds(c.run(prefetch.train, prefetch.PREFETCH, "wide8", 3, depth=1,
+                                                        warmup=1)) * 1e3,
+            lambda c: prefetch.step_seconds(c.run(prefetch.fsdp2_train, "wide8", 3, 1, 1)) * 1e3)
+        row = Row("P4", f"FSDP step with prefetch (lab 03's solution), wide8, {n} ranks", "ms", ours, theirs,
+                  "FSDP2 fully_shard, depth 1", "<= 1.25 x")
+        row.met = row.ratio <= 1.25
+        rows.append(row)
+    return rows
+
+
+def p5_hidden(s: Settings) -> list[Row]:
+    from .. import comm
+    from ..strategies import prefetch
+
+    link = comm.LINKS["2.5GbE"]
+    rows = []
+    for n in (2, 4):
+        sim, real = side_by_side(s, n, lambda c: prefetch.measure(c, prefetch.PREFETCH, 1, link, steps=3)["hidden"] * 100,
+                                  lambda c: prefetch.measure(c, prefetch.PREFETCH, 1, None, steps=3)["hidden"] * 100)
+        row = Row("P5", f"communication hidden under compute, prefetch depth 1, wide8, {n} ranks, simulated "
+                  f"{link.name}", "%", sim, real, "the same on raw Gloo (measured)", ">= 80 % (simulated link)")
+        row.met = statistics.median(sim) >= 80
+        rows.append(row)
+    return rows
+
+
+def p9_tensor(s: Settings) -> list[Row]:
+    from ..strategies import tensor_parallel as tp
+    from ..strategies import tp_reference as ref
+    from ..strategies.prefetch import step_seconds
+
+    rows = []
+    for n in (2, 4):
+        ours, theirs = side_by_side(s, n, lambda c: step_seconds(c.run(tp.block_job, tp.Fns(), 3)) * 1e3,
+                                     lambda c: step_seconds(c.run(ref.dtensor_block_job, 3)) * 1e3)
+        row = Row("P9", f"tensor-parallel block forward+backward (lab 04's solution), width 256, 512 tokens, {n} ranks",
+                  "ms", ours, theirs, "DTensor Colwise/RowwiseParallel, same block", "<= 1.2 x")
+        row.met = row.ratio <= 1.2
+        rows.append(row)
+    return rows
+
+
+def p6_pipeline(s: Settings) -> list[Row]:
+    """Lab 05: lablib's executor running 1F1B against PyTorch's ``Schedule1F1B`` on the same model (real
+    compute, 2 ranks); then the measured bubble of every schedule against the papers' formula, over m,
+    at 2 ranks with real compute and at 4 with simulated compute (its step's breakdown, views.pipeline)."""
+    from ..checks.lab05 import yours
+    from ..strategies import pipeline as pp
+    from ..strategies import schedules as sc
+    from ..strategies import pp_reference as ref
+    from ..views import pipeline as view
+
+    m = 8
+    one_f_one_b = lambda p, m, v=1: sc.one_f_one_b(p, m)  # noqa: E731
+    ours, theirs = side_by_side(
+        s, 2, lambda c: statistics.median(c.run(ref.step_job, pp.execute, one_f_one_b, m, 1, None, 3)[0]["seconds"]) * 1e3,
+        lambda c: statistics.median(c.run(ref.torch_step_job, "1f1b", m)[0]) * 1e3)
+    row = Row("P6", f"1F1B step (lab 05's executor), 8 blocks of width {ref.REAL['width']}, m={m} micro-batches of "
+              f"{ref.REAL['rows_per_mb']} rows, 2 ranks", "ms", ours, theirs, "torch.distributed.pipelining Schedule1F1B",
+              "<= 1.2 x")
+    row.met = row.ratio <= 1.2
+    rows = [row]
+    with contextlib.redirect_stdout(io.StringIO()):
+        fns = yours()
+    from ..pool import Cluster
+
+    for p, cost in ((2, None), (4, 0.005 if s.quick else 0.01)):
+        with Cluster(p, backend=s.backend, timeout=60, quiet=True) as c:
+            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+                ms = [k for k in ((2, 8) if s.quick else (1, 2, 4, 8, 16))
+                      if (name != "interleaved" or k % p == 0) and (name != "zb-h1" or k >= p)]
+                runs = []
+                for k in ms:
+                    got = [view.measure(c, fns, name, k, v, cost) for _ in range(1 if s.quick else 3)]
+                    runs.append((k, statistics.median(r["bubble"] for r in got), got[0]["theory"]))
+                errors = [b - t for _, b, t in runs]
+                rows.append(Row("P6", f"bubble, measured - theory, {view.TITLES[name]}{f' v={v}' if v > 1 else ''}, {p} ranks, "
+                                f"{'real' if cost is None else f'simulated ({cost * 1e3:g} ms per block)'} compute",
+                                "", errors, target="within +-0.05", met=max(abs(e) for e in errors) <= 0.05,
+                                note="; ".join(f"m={k}: {b:.3f} vs {t:.3f}" for k, b, t in runs)))
+    return rows
