@@ -153,3 +153,52 @@ def test_socket_folders_of_killed_notebooks_are_removed():
             assert not stale.exists() and mine.exists()
     finally:
         mine.rmdir()
+
+
+def test_one_spare_pool_is_kept_for_the_next_check_of_its_size():
+    from lablib.pool import spare
+
+    first = spare(1)
+    assert spare(1) is first and first.run(_noop_job) == [None]  # the same size: no new start
+    other = spare(2)
+    assert first.closed and not other.closed  # another size closes it: one idle extra pool at most
+    other.close()
+    assert spare(2) is not other  # a closed one is replaced
+    spare(2).close()
+
+
+def _noop_job():
+    return None
+
+
+def _parent_pid():
+    import os
+
+    return os.getppid()
+
+
+def test_ranks_fork_from_a_server_that_imported_torch_and_die_with_it():
+    import os
+    import signal
+
+    from lablib.pool import zygote
+    from procs import wait_gone
+
+    if not zygote.usable():
+        pytest.skip("ranks are forked only on Linux")
+    with Cluster(2, quiet=True) as c:
+        server = zygote.server()
+        assert c.run(_parent_pid) == [server.proc.pid] * 2  # forked by the server, not started afresh
+        pids = c.pids()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert wait_gone(pids)  # PR_SET_PDEATHSIG: no rank outlives the server
+    with Cluster(2, quiet=True) as c:  # a server that died is started again
+        assert c.run(_parent_pid) == [zygote.server().proc.pid] * 2 != [server.proc.pid] * 2
+
+
+def test_without_fork_ranks_start_from_scratch(monkeypatch):
+    import os
+
+    monkeypatch.setenv("LABLIB_FORK", "0")
+    with Cluster(1, quiet=True) as c:
+        assert c.run(_parent_pid) == [os.getpid()]

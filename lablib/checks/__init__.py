@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..pool import Cluster, RankError
+from ..pool import Cluster, RankError, spare
 
 
 class CheckFailed(AssertionError):
@@ -102,25 +102,18 @@ def params_error(task: str, rank: int, what: str, params: list, ref: list, hint:
 
 @contextmanager
 def pools(cluster: Cluster | None, sizes=(2, 3, 4)):
-    """Yields a pool per size, started when reached: the notebook's own where its size matches, else a
-    new one like it (closed after the check, so a notebook does not keep idle ranks: each holds a few
-    hundred MB; and a check that fails at its first size starts no other). A size of None (a check that
-    runs in this process) gets None."""
+    """Yields a pool per size, started when reached: the notebook's own where its size matches, else an
+    extra one like it (``lablib.pool.spare``: kept for the next check of that size; a check that fails at its first
+    size starts no other). A size of None (a check that runs in this process) gets None."""
     like = dict(backend=cluster.backend, timeout=cluster.timeout) if cluster is not None else {}
-    extra: list[Cluster] = []
 
     def each():
         for n in sizes:
             if n is None or (cluster is not None and n == cluster.world_size):
                 yield None if n is None else cluster
             else:
-                extra.append(Cluster(n, quiet=True, **like))
-                yield extra[-1]
-    try:
-        yield each()
-    finally:
-        for pool in extra:
-            pool.close()
+                yield spare(n, **like)
+    yield each()
 
 
 def vet(task: str, params: tuple, fns: tuple, forbidden: Mapping[str, str]) -> None:

@@ -73,8 +73,10 @@ class Deadline:
 
 def main(request_path: str, results_path: str) -> int:
     from ..checks import CheckFailed, vet
-    from ..pool import Cluster
+    from ..pool import Cluster, zygote
     from .plain import NotPlain, dumps
+
+    zygote.start_here()  # one thread, no torch op yet: the ranks fork from a copy of this process
 
     with open(request_path, encoding="utf-8") as f:
         request = json.load(f)

@@ -7,6 +7,6 @@ failures.py (how a failed job is reported), backend.py (NCCL or Gloo), shared.py
 from .backend import resolve_backend
 from .cluster import Cluster
 from .failures import RankError
-from .shared import cluster
+from .shared import cluster, spare
 
-__all__ = ["Cluster", "RankError", "cluster", "resolve_backend"]
+__all__ = ["Cluster", "RankError", "cluster", "resolve_backend", "spare"]

@@ -39,23 +39,13 @@ from multiprocessing.connection import Listener
 from ..paths import ROOT
 from ..timeline import Timeline
 from . import protocol as P
+from . import zygote
 from .backend import describe_backend, resolve_backend
 from .failures import signal_name
-from .job import LOST, Job, StopButton, cell_sources, print_output
+from .job import LOST, Job, StopButton, cell_sources, noise, print_output
 
 START_TIMEOUT = 120.0  # seconds for a new worker to import torch and say hello
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
-# C-level lines a rank prints that mean nothing to a learner: torch.profiler's start/stop; torch 2.8's Gloo
-# saying it connected ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number ...") for each new group
-_NOISE = ("USDT:", "[Gloo] Rank ")
-# and, anywhere in a line: a CUDA build of torch on a machine without a GPU, whose profiler (Kineto) says it
-# found none at each start (`lablib doctor` says once what that build costs and how to take the CPU one)
-_NOISE_IN = ("gpuGetDeviceCount failed",)
-
-
-def noise(text: str) -> bool:
-    """Whether a line a rank printed is noise to a learner (``_NOISE``)."""
-    return text.startswith(_NOISE) or any(part in text for part in _NOISE_IN)
 
 
 class _Worker:
@@ -167,6 +157,10 @@ class Cluster:
                     pass  # its death is reported by the reader thread
             return self._collect(Job(self, self._job_id), stop, origin, getattr(fn, "__name__", "job"))
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def timeline(self) -> Timeline:
         """The merged per-rank timeline of the last job."""
         if self._timeline is None:
@@ -225,12 +219,7 @@ class Cluster:
                    LABLIB_ADDRESS=self._listener.address, LABLIB_AUTHKEY=self._authkey.hex(),
                    LABLIB_STORE_HOST="127.0.0.1", LABLIB_STORE_PORT=str(self._store.port),
                    PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from lablib.pool.worker import main; main()"],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            # Own session: the terminal's Ctrl-C or Jupyter's interrupt reach the parent only, which
-            # then stops the ranks in order.
-            start_new_session=True)
+        proc = zygote.start(env, os.getcwd(), list(dict.fromkeys(path)))
         w = self._workers[rank] = _Worker(rank, proc)
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             reader = threading.Thread(target=self._pipe_loop, args=(w, stream, pipe), daemon=True,
@@ -257,20 +246,10 @@ class Cluster:
             if w is None or w.proc.pid != hello.pid:
                 conn.close()
                 return
-            # Align clocks: several ping-pongs, keep the one with the smallest round trip. Ranks on
-            # one machine share a monotonic clock, so an offset within the round-trip error is zero.
-            best = None
-            for _ in range(5):
-                t0 = time.perf_counter_ns()
-                conn.send_bytes(P.encode(P.Ping()))
-                tw = P.decode(conn.recv_bytes()).t_ns
-                t1 = time.perf_counter_ns()
-                if best is None or t1 - t0 < best[0]:
-                    best = (t1 - t0, tw - (t0 + t1) // 2)
+            rtt, offset = P.clock_offset(conn)
         except (OSError, EOFError, ValueError, AttributeError):
             conn.close()
             return
-        rtt, offset = best
         w.offset_ns = 0 if abs(offset) <= rtt else offset
         w.clock_error_ns = rtt // 2
         w.conn = conn

@@ -1,4 +1,5 @@
-"""The notebook's shared pool: ``lablib.cluster(n)``, reused by every cell."""
+"""The notebook's shared pool, ``lablib.cluster(n)``, reused by every cell; and one spare pool of
+another size, for the checks and measurements that need one (``spare``)."""
 from __future__ import annotations
 
 import os
@@ -47,3 +48,19 @@ def _matches(c, kwargs):
         elif getattr(c, key, None) != value:
             return False
     return True
+
+
+_SPARE: list = []  # the one spare pool: [((size, backend, timeout), Cluster)]
+
+
+def spare(world_size: int, backend: str = "auto", timeout: float = 10.0) -> Cluster:
+    """A pool of ``world_size`` ranks beside the notebook's, kept for the next caller that needs the same
+    (a source's hidden checks ask for 3 or 4 ranks several times in a row, and each new pool costs
+    seconds). At most one is kept: asking for another closes it, so a notebook holds at most one idle
+    extra pool (each rank holds a few hundred MB)."""
+    key = (world_size, backend, timeout)
+    if _SPARE and (_SPARE[0][0] != key or _SPARE[0][1].closed):
+        _SPARE.pop()[1].close()
+    if not _SPARE:
+        _SPARE.append((key, Cluster(world_size, backend=backend, timeout=timeout, quiet=True)))
+    return _SPARE[0][1]

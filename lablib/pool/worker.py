@@ -220,7 +220,8 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
 
 
 def main() -> None:
-    _die_with_parent(int(os.environ["LABLIB_PARENT_PID"]))
+    # the process that started this rank: the notebook's, or the fork server's (zygote.py), which dies with it
+    _die_with_parent(int(os.environ.get("LABLIB_SERVER_PID") or os.environ["LABLIB_PARENT_PID"]))
     threads = os.environ["LABLIB_THREADS"]
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = threads
@@ -243,6 +244,11 @@ def main() -> None:
         else:  # Exit
             break
     me.destroy_process_group()
+    # Nothing is left to save: skip the interpreter's teardown, which takes torch about a second and
+    # would have the pool's close() wait for it (or kill the rank).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
