@@ -8,8 +8,9 @@ Why a pool and not ``mp.spawn`` per cell: each new process pays ``import torch``
 when 4 start at once on 2 cores); a pool pays it once and then runs a job in a few milliseconds.
 
 How it stays out of the way of the learner:
-- Workers are started with ``subprocess`` (spawn semantics: a kernel that has run a torch op hangs a
-  forked child) and are reused; the process group is created once, and again only after a failure.
+- Workers are forked from a server that has imported torch and done nothing else (zygote.py), never
+  from the kernel (a process that has run a torch op hangs a forked child), and are reused; the
+  process group is created once, and again only after a failure.
 - Functions are shipped by value with cloudpickle (``protocol.ship``), so ``fn`` may be defined in the
   notebook and use its globals.
 - Rendezvous goes through a TCPStore hosted here on a free port (rank 0 hosting it costs 300-700 ms
