@@ -23,9 +23,9 @@ BUS_FACTOR = comm.BUS_FACTOR
 
 def sweep_sizes() -> list[int]:
     """1 KB to 64 MB in steps of 4x; up to 4 MB when LABLIB_QUICK=1 (the test suite sets it)."""
-    import os
+    from .paths import quick
 
-    top = 22 if os.environ.get("LABLIB_QUICK") == "1" else 26
+    top = 22 if quick() else 26
     return [1 << k for k in range(10, top + 1, 2)]
 
 

@@ -2,9 +2,11 @@
 torchrun starts, on one machine or several.
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m lablib.run LAB [--notebook NOTEBOOK] [--trace FILE] [--timeout SECONDS]
+        -m lablib.run LAB [LAB ...] [--notebook NOTEBOOK] [--trace FILE] [--timeout SECONDS]
 
-LAB is a lab's name (welcome, sharding, collectives, prefetch, tensor, pipeline) or number. Each rank reads
+LAB is a lab's name (welcome, sharding, collectives, prefetch, tensor, pipeline) or number, or ``all``;
+several labs run one after the other on the same ranks (one rendezvous, one start), each with its own
+trace, ``lablib-LAB-trace.json`` (or in the folder ``--trace`` names). Each rank reads
 the notebook (the lab's solved source by default, or a learner's ``--notebook``), takes its exercise code
 as ``lablib grade`` does (definitions only, under the lab's rules), and runs the lab's visible checks at
 the world size torchrun gives: every rank runs each check's job, rank 0 judges it against the
@@ -190,29 +192,37 @@ def write_trace(raw, offsets: dict, origin_ns: int, path: Path, title: str) -> s
 def main(argv=None) -> int:
     names = lab_names()
     ap = argparse.ArgumentParser(prog="torchrun ... -m lablib.run", description=__doc__.splitlines()[0])
-    ap.add_argument("lab", help=f"one of {', '.join(n for n in names if n.isalpha())} (or the lab's number)")
+    ap.add_argument("lab", nargs="+", help=f"one or more of {', '.join(n for n in names if n.isalpha())} (or the "
+                                            "labs' numbers), or all")
     ap.add_argument("--notebook", type=Path, help="a notebook of the lab whose exercise code to run (default: the "
-                                                   "lab's solved source, sources/LAB.ipynb)")
-    ap.add_argument("--trace", type=Path, help="where rank 0 writes the Chrome trace (default: lablib-LAB-trace.json)")
+                                                   "lab's solved source, sources/LAB.ipynb); one lab only")
+    ap.add_argument("--trace", type=Path, help="where rank 0 writes the Chrome trace (default: lablib-LAB-trace.json); "
+                                               "with several labs, a folder for their traces")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait for a peer")
     args = ap.parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
-    lab = names.get(args.lab)
-    if lab is None:
+    wanted = [lab.notebook.split("_")[1] for lab in LABS] if args.lab == ["all"] else args.lab
+    unknown = [name for name in wanted if name not in names]
+    if unknown:
         if rank0:
-            _say(f"lablib.run: no lab {args.lab!r}. Labs: " + ", ".join(
-                f"{n} ({names[n].notebook})" for n in names if n.isalpha()), sys.stderr)
+            _say(f"lablib.run: no lab {unknown[0]!r}. Labs: " + ", ".join(
+                f"{n} ({names[n].notebook})" for n in names if n.isalpha()) + ", or all", sys.stderr)
         return 2
+    labs = list(dict.fromkeys(names[name] for name in wanted))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         _say("lablib.run: start it with torchrun, e.g. `torchrun --nproc-per-node 2 -m lablib.run "
-             f"{args.lab}` (a notebook uses lablib.cluster(n) instead)", sys.stderr)
+             f"{' '.join(args.lab)}` (a notebook uses lablib.cluster(n) instead)", sys.stderr)
+        return 2
+    if args.notebook and len(labs) > 1:
+        _say("lablib.run: --notebook is one lab's notebook: name one lab with it", sys.stderr)
         return 2
     from .paths import SOURCES
 
-    notebook = args.notebook or SOURCES / f"{lab.notebook}.ipynb"
-    if not notebook.is_file():
+    notebooks = [args.notebook or SOURCES / f"{lab.notebook}.ipynb" for lab in labs]
+    missing = next((nb for nb in notebooks if not nb.is_file()), None)
+    if missing is not None:
         if rank0:
-            _say(f"lablib.run: {notebook} is not a file: pass the lab's notebook with --notebook", sys.stderr)
+            _say(f"lablib.run: {missing} is not a file: pass the lab's notebook with --notebook", sys.stderr)
         return 2
 
     import torch
@@ -231,17 +241,25 @@ def main(argv=None) -> int:
         x = torch.ones(2, requires_grad=True)
         torch.autograd.backward(x * 2, torch.ones(2))
         if rank == 0:
-            _say(f"lablib.run {lab.notebook}: {n} ranks ({'NCCL' if nccl else 'Gloo'}), {notebook}")
             _say("clock offsets to rank 0: " + ", ".join(f"rank {r} {off / 1e3:+.1f} us (round trip {rtt / 1e3:.1f} us)"
                                                           for r, (off, rtt) in sorted(offsets.items()) if r))
-        pool = RankPool("nccl" if nccl else "gloo", args.timeout)
-        passed, other = run_checks(lab, notebook, pool)
-        path = write_trace(pool.spans, offsets, pool.origin_ns, args.trace or Path(f"lablib-{lab.notebook}-trace.json"),
-                           f"{lab.notebook}: the last check's job, {n} ranks under torchrun")
-        if rank == 0:
-            _say(f"{passed} check(s) passed, {other} failed or skipped; trace: {path} "
-                 "(lablib.Timeline.load(path).figure(), or https://ui.perfetto.dev)")
-        return 0 if other == 0 and passed else 1
+        pool, ok = RankPool("nccl" if nccl else "gloo", args.timeout), True
+        for lab, notebook in zip(labs, notebooks):
+            if rank == 0:
+                _say(f"lablib.run {lab.notebook}: {n} ranks ({'NCCL' if nccl else 'Gloo'}), {notebook}")
+            pool.spans, pool.origin_ns = [], 0  # this lab's trace holds this lab's last job only
+            passed, other = run_checks(lab, notebook, pool)
+            name = Path(f"lablib-{lab.notebook}-trace.json")
+            trace = (args.trace / name if len(labs) > 1 else args.trace) if args.trace else name
+            if rank == 0 and len(labs) > 1 and args.trace:
+                args.trace.mkdir(parents=True, exist_ok=True)
+            path = write_trace(pool.spans, offsets, pool.origin_ns, trace,
+                               f"{lab.notebook}: the last check's job, {n} ranks under torchrun")
+            if rank == 0:
+                _say(f"{passed} check(s) passed, {other} failed or skipped; trace: {path} "
+                     "(lablib.Timeline.load(path).figure(), or https://ui.perfetto.dev)")
+            ok = ok and other == 0 and passed > 0
+        return 0 if ok else 1
     finally:
         dist.destroy_process_group()
 

@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from lablib import Timeline
 from lablib.labs import LABS
 
@@ -65,20 +63,23 @@ def _nodes(lab: str, tmp_path: Path, *extra, nodes: int = 2, started: int = 2, l
     return codes, "\n".join(texts)
 
 
-@pytest.mark.parametrize("lab", [lab.notebook.split("_")[1] for lab in LABS])
-def test_every_lab_runs_on_two_nodes_and_merges_one_trace(lab, tmp_path):
-    trace = tmp_path / "trace.json"
-    codes, out = _nodes(lab, tmp_path, "--trace", str(trace))
+def test_every_lab_runs_on_two_nodes_and_merges_one_trace_each(tmp_path):
+    """All labs in one torchrun launch (one rendezvous, one start of 4 ranks), each lab checked and traced."""
+    traces = tmp_path / "traces"
+    codes, out = _nodes("all", tmp_path, "--trace", str(traces))
     assert codes == [0, 0], out[-3000:]
-    assert ": 4 ranks (Gloo)" in out and "0 failed or skipped" in out and "✗" not in out, out[-3000:]
-    passed = int(out.split(" check(s) passed")[0].rsplit("\n", 1)[-1])
-    assert passed == sum(1 for line in out.splitlines() if line.startswith("✓ Task"))
-    assert "clock offsets to rank 0: rank 1" in out
-    timeline = Timeline.load(trace)
-    assert timeline.world_size == 4 and {s.rank for s in timeline.spans} == {0, 1, 2, 3}
-    assert any(s.kind == "comm" for s in timeline.spans)
-    assert 0 < timeline.clock_error < 1.0  # half the slowest best round trip to rank 0: small on loopback, even busy
-    assert timeline.figure().data
+    assert "clock offsets to rank 0: rank 1" in out and "✗" not in out, out[-3000:]
+    sections = out.split("lablib.run ")[1:]
+    assert [s.split(":")[0] for s in sections] == [lab.notebook for lab in LABS], out[-3000:]
+    for lab, text in zip(LABS, sections):
+        assert text.startswith(f"{lab.notebook}: 4 ranks (Gloo)") and "0 failed or skipped" in text, text[-2000:]
+        passed = int(text.split(" check(s) passed")[0].rsplit("\n", 1)[-1])
+        assert passed > 0 and passed == sum(1 for line in text.splitlines() if line.startswith("✓ Task")), text
+        timeline = Timeline.load(traces / f"lablib-{lab.notebook}-trace.json")
+        assert timeline.world_size == 4 and {s.rank for s in timeline.spans} == {0, 1, 2, 3}, lab
+        assert any(s.kind == "comm" for s in timeline.spans), lab
+        assert 0 < timeline.clock_error < 1.0  # half the slowest best round trip to rank 0: small on loopback
+        assert lab.notebook in timeline.title and timeline.figure().data
 
 
 def test_a_node_that_never_joins_fails_within_the_join_timeout(tmp_path):
@@ -97,6 +98,9 @@ def test_an_unknown_lab_lists_the_labs_and_torchrun_is_required():
     out = subprocess.run([sys.executable, "-m", "lablib.run", "pipeline"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert out.returncode == 2 and "start it with torchrun" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipeline", "tensor", "--notebook", "x.ipynb"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    assert out.returncode == 2 and "--notebook is one lab's notebook" in out.stderr
 
 
 def test_a_learners_unfinished_notebook_fails_its_checks(tmp_path):

@@ -334,15 +334,17 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
 
 
 def measure(cluster, hooks: Hooks, depth: int = 0, link: comm.Link | None = None, model_name: str = "wide8",
-            steps: int = 5) -> dict:
-    """Train ``steps`` timed steps (after one warm-up step) on ``cluster``: the step time (median over
+            steps: int | None = None) -> dict:
+    """Train ``steps`` timed steps (5, or 2 under LABLIB_QUICK) after one warm-up step on ``cluster``: the step time (median over
     steps of the slowest rank) and its range, the peak bytes of full parameters a rank held, the timeline
     of the last step and the fraction of its communication that ran under compute. On a real link the
     job runs under ``lablib.timed``, so time a collective spent queued behind others is not counted as
     communication."""
     from ..overlap import hidden_fraction
+    from ..paths import quick
     from ..profiling import timed
 
+    steps = steps or (2 if quick() else 5)
     args = (train, hooks, model_name, steps)
     results = cluster.run(*args, depth=depth, link=link, warmup=1) if link else \
         cluster.run(timed, *args, depth=depth, link=link, warmup=1)

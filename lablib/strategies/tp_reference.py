@@ -247,13 +247,15 @@ def dtensor_block_job(steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
     return {"seconds": seconds[warmup:]}
 
 
-def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int = 5) -> dict:
+def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int | None = None) -> dict:
     """The wide block at each tensor-parallel degree (a pool of that size: ``cluster`` where it matches,
-    else ``lablib.pool.spare``'s), ``steps`` timed steps after a warm-up: {degree: step time (median
+    else ``lablib.pool.spare``'s), ``steps`` timed steps (5, or 2 under LABLIB_QUICK) after a warm-up: {degree: step time (median
     over steps of the slowest rank) and its range, DTensor's on the same pool, the timeline of the
     recorded steps}."""
+    from ..paths import quick
     from ..pool import spare
 
+    steps = steps or (2 if quick() else 5)
     out = {}
     for n in degrees:
         pool = cluster if n == cluster.world_size else spare(n, cluster.backend)

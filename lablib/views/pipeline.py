@@ -45,10 +45,14 @@ def breakdown(timeline) -> dict:
     return out
 
 
-def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | None = None, repeats: int = 2) -> dict:
+def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | None = None,
+            repeats: int | None = None) -> dict:
     """Schedule ``name`` (lablib's, or the learner's in ``fns``, from ``yours``) run on ``cluster`` with
     ``fns["execute"]`` on m micro-batches ("naive": the same rows as one batch): the timeline of its last step, the breakdown of that step, the theory's bubble
     and the peak activations a rank held, in bytes and in micro-batches."""
+    from ..paths import quick
+
+    repeats = repeats or (1 if quick() else 2)
     naive = name == "naive"  # the same batch, as one micro-batch
     schedule_fn = (lambda p, m, v=1: sc.naive(p)) if naive else fns[name]
     rows = m * (4 if cost else ref.REAL["rows_per_mb"]) if naive else None
