@@ -72,7 +72,7 @@ choose_torch_index() {  # choose_torch_index PYTHON: sets TORCH_INDEX (empty: pi
     TORCH_INDEX=$CPU_INDEX
     TORCH_REASON="no NVIDIA driver found: installing the CPU build of torch from $CPU_INDEX"
   else
-    TORCH_REASON="no NVIDIA driver found, but $CPU_INDEX did not answer: installing torch from pip's default index instead (on Linux the CUDA build, several GB; TORCH_INDEX_URL=URL picks another)"
+    TORCH_REASON="no NVIDIA driver found, but $CPU_INDEX did not answer: installing torch from pip's default index instead (PyPI's Linux build is the CUDA one, several GB, unless your pip configuration points elsewhere; TORCH_INDEX_URL=URL picks another)"
   fi
 }
 

@@ -185,16 +185,18 @@ def _over_link(link, name, nbytes, async_op, call, op, meta, target):
 
 # (op, the tensor written into, bytes in) of each traced collective issued while a list is here (labs 03, 04)
 WATCH: list = [None]
+WORKS: list = [None]
 
 
-def watched(fn, *args):
+def watched(fn, *args, works: list | None = None):
     """``fn(*args)`` and the traced collectives it issued, in order: "all_reduce 3072" (its name and the
-    bytes it took in)."""
-    WATCH[0] = []
+    bytes it took in). ``works``: a list that receives the handle of each one issued with ``async_op``
+    (``Work.waited`` then tells whether ``fn`` waited for it)."""
+    WATCH[0], WORKS[0] = [], works
     try:
         return fn(*args), [f"{op} {nbytes}" for op, _, nbytes in WATCH[0]]
     finally:
-        WATCH[0] = None
+        WATCH[0] = WORKS[0] = None
 
 
 def _traced(name, nbytes, async_op, call, tensor, op, target=None, **meta):
@@ -204,7 +206,10 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, **meta):
         return _over_link(_SIM.link, name, nbytes, async_op, call, op, meta, target)
     if async_op:  # the span opens before the call: a message's bar starts when it was posted
         trace = AsyncSpan(name, "comm", nbytes, op=op, **meta)
-        return Work(call(), trace, target=target)
+        work = Work(call(), trace, target=target)
+        if WORKS[0] is not None:
+            WORKS[0].append(work)
+        return work
     with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
         # Only while recording: a timing loop (bandwidth.sweep) must not pay two /proc reads a message.
         before = written() if RECORDER.spans is not None and not tensor.is_cuda else None

@@ -269,9 +269,10 @@ class Timeline:
         return str(path)
 
 
-def compare(*timelines: Timeline, titles=None):
+def compare(*timelines: Timeline, titles=None, steps=None):
     """Timelines one above the other on one time axis (e.g. without and with prefetch), each titled with
-    its step time and the change against the first."""
+    its step time and the change against the first: the drawn timeline's, or ``steps`` (seconds, one per
+    timeline, e.g. the medians ``prefetch.measure`` gives)."""
     from .views.timeline import compare_figure
 
-    return compare_figure(list(timelines), titles)
+    return compare_figure(list(timelines), titles, steps)

@@ -29,6 +29,6 @@ def test_mean_across_ranks(cluster, capsys):
     assert "✓ Task 0.1 passed" in capsys.readouterr().out
     for fn, message in [(summed, "holds the sum over ranks"), (local, "returned only its own data"),
                         (stub, "Task 0.1 is not done yet"), (nothing, "returned None"),
-                        (lambda x: x, "its source cannot be read")]:
+                        (lambda x: x, "has no source lablib can read")]:
         with pytest.raises(CheckFailed, match=message):
             check_mean_across_ranks(fn, cluster)

@@ -240,6 +240,22 @@ def test_hook_mistakes_are_named(cluster):
     assert "resize the storage back" in _fails(check_hooks, pre, post, keep, post_backward, cluster=cluster)
     assert "divide it by the world size" in _fails(check_hooks, pre, post, pre, no_average, cluster=cluster)
 
+    def whole_gradient(units, i, ctx):  # keeps the full gradient: no reduce-scatter
+        units[i].grad = units[i].full_grad() / ctx.world_size
+        reshard(units[i])
+
+    def full_grad_twice(units, i, ctx):
+        unit = units[i]
+        unit.grad = torch.empty(unit.layout.shard_numel)
+        lablib.reduce_scatter(unit.grad, unit.full_grad() if unit.full_grad() is not None else None)
+        unit.grad /= ctx.world_size
+        reshard(unit)
+
+    text = _fails(check_hooks, pre, post, pre, whole_gradient, cluster=cluster)
+    assert "Likely: unit.grad must hold this rank's shard only" in text and "the whole (padded) gradient" in text, text
+    text = _fails(check_hooks, pre, post, pre, full_grad_twice, cluster=cluster)
+    assert "Likely: call unit.full_grad() once per backward" in text, text
+
     def gather_unsized(units, i, ctx):  # all-gathers into the freed buffer: no resize_ first
         lablib.all_gather(units[i].flat, units[i].shard)
 
@@ -308,6 +324,13 @@ def test_overlap_mistakes_are_named(cluster):
     assert "unit" in _fails(check_overlap, post_backward, finish, cluster=cluster)  # synchronous: nothing in flight
     assert "divide" in _fails(check_overlap, rs_async, no_divide, cluster=cluster)
 
+    def rebinds(units, i, ctx):  # a new tensor in unit.grad while the reduce-scatter writes into the old one
+        rs_async(units, i, ctx)
+        units[i].grad = units[i].grad / ctx.world_size
+
+    assert "writes into a tensor that is no longer unit.grad" in _fails(check_overlap, rebinds, no_divide,
+                                                                           cluster=cluster)
+
 
 def test_what_a_learner_might_try_instead_of_the_work_is_refused(cluster):
     def through_a_default(units, i, ctx, lib=lablib):  # lablib's own answers, reached through a default
@@ -352,12 +375,12 @@ def test_untraced_collectives_are_refused():
 def test_yours_uses_a_learners_hooks_only_once_their_check_passed(capsys):
     PASSED.discard("Task 3.1")
     plain, ahead = yours(pre_forward=pre, post_forward=post, pre_backward=pre, post_backward=post_backward)
-    assert plain == prefetch.PLAIN and "lablib's hooks" in capsys.readouterr().out
+    assert plain == prefetch.PLAIN and "lablib's functions (Task 3.1" in capsys.readouterr().out
     PASSED.add("Task 3.1")
     try:
         plain, ahead = yours(pre_forward=pre, post_forward=post, pre_backward=pre, post_backward=post_backward)
         assert plain.pre_forward is pre and ahead.pre_forward is prefetch.prefetch_forward
-        assert "your hooks of Task 3.1" in capsys.readouterr().out
+        assert "your functions of Task 3.1; lablib's for Task 3.2, Task 3.3" in capsys.readouterr().out
     finally:
         PASSED.discard("Task 3.1")
     with pytest.raises(TypeError, match="yours\\(\\) takes"):

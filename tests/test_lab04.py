@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import lablib
 from lablib import comm
-from lablib.checks import PASSED, CheckFailed
+from lablib.checks import PASSED, TRIED, CheckFailed
 from lablib.checks.lab04 import (check_attention, check_mlp, check_sp, check_split, judge_attention, judge_mlp,
                                  judge_sp, judge_split, yours)
 from lablib.strategies import tensor_parallel as tp
@@ -173,6 +173,28 @@ def attention_without_mask(x, wqkv, bqkv, wo, bo, heads):
     return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo)) + bo
 
 
+def mlp_f_g_swapped(x, w1, b1, w2, b2):  # Reduce where Copy belongs and Copy where Reduce does
+    return Copy.apply(F.linear(F.gelu(F.linear(Reduce.apply(x), w1, b1)), w2)) + b2
+
+
+def attention_bias_each_rank(x, wqkv, bqkv, wo, bo, heads):
+    B, T, _ = x.shape
+    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo, bo))
+
+
+def attention_untransposed(x, wqkv, bqkv, wo, bo, heads):
+    B, T, _ = x.shape
+    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return Reduce.apply(F.linear(y.reshape(B, T, -1), wo)) + bo
+
+
+def qkv_whole_bias(weight, bias, rank, world_size):
+    return shard_qkv(weight, bias, rank, world_size)[0], bias
+
+
 def qkv_block(weight, bias, rank, world_size):
     return weight.chunk(world_size, 0)[rank], bias.chunk(world_size, 0)[rank]
 
@@ -304,6 +326,11 @@ def test_right_answers_pass_every_check(cluster, capsys):
     (check_mlp, (mlp_gathering_weights,), "never weights"),
     (check_attention, (qkv_block, tp_attention), "contiguous block of the fused weight's rows"),
     (check_attention, (shard_qkv, attention_without_mask), "without the causal mask.*is_causal=True"),
+    (check_mlp, (mlp_f_g_swapped,), r"rank 0's output is what f and g swapped give"),
+    (check_attention, (shard_qkv, attention_bias_each_rank), "holds the projection's bias 2 times"),
+    (check_attention, (shard_qkv, attention_untransposed), r"mixes tokens and heads.*y\.transpose\(1, 2\)"),
+    (check_attention, (qkv_whole_bias, tp_attention), r"rank 0's shard_qkv bias has shape \(96,\), expected shape "
+                                                      r"\(\d+,\)\. Split the bias as the weight's rows"),
     (check_sp, (sp_without_reduce_scatter_back,), "backward issued all-gather; expected exactly all-gather, "
                                                   "reduce-scatter"),
     (check_sp, (sp_with_all_reduce,), "forward issued all-gather, all-reduce"),
@@ -379,12 +406,15 @@ def test_sequence_parallelism_saves_less_activation_memory_per_rank(cluster):
 def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
     for task in ("Task 4.2", "Task 4.3", "Task 4.4"):
         PASSED.discard(task)
+        TRIED.discard(task)
+    TRIED.add("Task 4.3")  # its check ran and failed
     fns = yours(tp_mlp=tp_mlp, tp_attention=tp_attention)
     assert fns.mlp is tp.mlp and fns.attention is tp.attention and fns.sp is tp.sp_feed_forward
     PASSED.add("Task 4.4")
     fns = yours(tp_mlp=tp_mlp, sp_feed_forward=sp_feed_forward)
     assert fns.mlp is tp.mlp and fns.sp is sp_feed_forward
-    assert "your functions of Task 4.4 (lablib's for Task 4.2: not passed yet)" in capsys.readouterr().out
+    assert ("your functions of Task 4.4; lablib's for Task 4.2, Task 4.3 (Task 4.2: check not run yet in this kernel; "
+            "Task 4.3: check failed)") in capsys.readouterr().out
     with pytest.raises(TypeError):
         yours(mlp=tp_mlp)
     PASSED.discard("Task 4.4")

@@ -108,9 +108,10 @@ def execute(stages, actions):
     _execute(stages, actions, 0)
 
 
-def _execute(stages, actions, grad_tag_off, wrap=True, send=lablib.isend):
+def _execute(stages, actions, grad_tag_off, wrap=True, send=lablib.isend, wait_recvs=True, wait_sends=True):
     """The executor; ``grad_tag_off``: receive each gradient under the tag of a stage that many further on;
-    ``wrap=False``: send activations to rank s + 1, not (s + 1) % world_size; ``send``: how it sends."""
+    ``wrap=False``: send activations to rank s + 1, not (s + 1) % world_size; ``send``: how it sends;
+    ``wait_recvs``/``wait_sends=False``: the handles of receives or sends are never waited for."""
     n = torch.distributed.get_world_size()
     split = any(kind == "W" for kind, _, _ in actions)
     sends = []
@@ -120,7 +121,9 @@ def _execute(stages, actions, grad_tag_off, wrap=True, send=lablib.isend):
             x = None
             if not stage.first:
                 x = stage.buffer()
-                lablib.irecv(x, (s - 1) % n, tag=4 * (1000 * mb + s)).wait()
+                work = lablib.irecv(x, (s - 1) % n, tag=4 * (1000 * mb + s))
+                if wait_recvs:
+                    work.wait()
             y = stage.forward(mb, x)
             if not stage.last:
                 sends.append(send(y, (s + 1) % n if wrap else s + 1, tag=4 * (1000 * mb + s + 1)))
@@ -128,13 +131,15 @@ def _execute(stages, actions, grad_tag_off, wrap=True, send=lablib.isend):
             grad = None
             if not stage.last:
                 grad = stage.buffer()
-                lablib.irecv(grad, (s + 1) % n, tag=4 * (1000 * mb + s + grad_tag_off) + 1).wait()
+                work = lablib.irecv(grad, (s + 1) % n, tag=4 * (1000 * mb + s + grad_tag_off) + 1)
+                if wait_recvs:
+                    work.wait()
             gx = stage.backward(mb, grad, weights=not split)
             if not stage.first:
                 sends.append(send(gx, (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
         else:
             stage.backward_weight(mb)
-    for work in sends:
+    for work in sends if wait_sends else ():
         if work is not None:
             work.wait()
 
@@ -204,6 +209,16 @@ def execute_unwrapped(stages, actions):
 def execute_blocking_send(stages, actions):
     """Blocking sends: 1F1B's rank 0 sends F1 while rank 1 sends B0, each waiting for the other to receive."""
     _execute(stages, actions, 0, send=lablib.send)
+
+
+def execute_never_waits_sends(stages, actions):
+    """Drops the sends' handles: Gloo delivers them anyway, but the buffers may be read after the step."""
+    _execute(stages, actions, 0, wait_sends=False)
+
+
+def execute_never_waits_recvs(stages, actions):
+    """Computes on a receive buffer without waiting for its message."""
+    _execute(stages, actions, 0, wait_recvs=False)
 
 
 def execute_full_backward(stages, actions):
@@ -352,6 +367,10 @@ def test_executor_mistakes_are_named(fragile):
         check_execute(execute_blocking_send, fragile, world_size=2, seed=1)
     likely = str(err.value).split("\n")[0]
     assert "Likely: every rank is blocked in a send" in likely and "lablib.isend" in likely and "tag" not in likely
+    with pytest.raises(CheckFailed, match=r"rank 0 never waited for \d+ of its isends' handles\. An isend's buffer"):
+        check_execute(execute_never_waits_sends, fragile, world_size=2, seed=1)
+    with pytest.raises(CheckFailed, match=r"never waited for \d+ of its irecvs' handles\. An irecv's buffer holds"):
+        check_execute(execute_never_waits_recvs, fragile, world_size=2, seed=1)
 
 
 def _send_outside_the_world(dst_off, recv):
@@ -425,7 +444,7 @@ def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
     PASSED.add("Task 5.4")
     fns = yours(gpipe=gpipe, execute=execute)
     assert fns["execute"] is execute
-    assert "your functions of Task 5.4 (lablib's for Task 5.1: not passed yet)" in capsys.readouterr().out
+    assert "your functions of Task 5.4; lablib's for Task 5.1, Task 5.2, Task 5.3" in capsys.readouterr().out
     with pytest.raises(TypeError):
         yours(one_f_one_b_=one_f_one_b)
     PASSED.discard("Task 5.4")

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import lablib
 from lablib.timeline import Span, Timeline
+from lablib.views.timeline import LEGENDS
 
 
 def _staggered():
@@ -123,6 +124,25 @@ def test_compare_draws_runs_on_one_time_axis_with_their_step_times():
     heads = [ann.text for ann in fig.layout.annotations]
     assert heads == ["no prefetch: 10.00 ms", "prefetch: 7.50 ms, -25% vs no prefetch"]
     assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
+    fig = lablib.compare(a, b, steps=[0.020, 0.022])  # medians of several steps, of which each drawn is the last
+    heads = [ann.text for ann in fig.layout.annotations]
+    assert heads == ["no prefetch: median step 20.00 ms (drawn: the last, 10.00 ms)",
+                     "prefetch: median step 22.00 ms, +10% vs no prefetch (drawn: the last, 7.50 ms)"]
+    with pytest.raises(ValueError, match="2 timelines but 1 step times"):
+        lablib.compare(a, b, steps=[0.02])
+
+
+def test_compare_keeps_queued_time_and_fits_labels_to_the_shared_axis():
+    # a collective queued from 1.002 to 1.006 s, running to 1.010 s, in a run that starts at 1.0 s
+    queued = Span(0, "RS3", "comm", 1.002, 1.010, runs_from=1.006)
+    a = Timeline([Span(0, "F0", "compute", 1.0, 1.0015), queued], 1, title="a")
+    b = Timeline([Span(0, "F0", "compute", 0.0, 0.001), Span(0, "B0", "compute", 0.0, 0.100)], 1, title="b")
+    fig = lablib.compare(a, b)
+    (line,) = [t for t in fig.data if t.name == LEGENDS["queued"]]
+    assert [round(x, 6) for x in line.x[:3]] == [2.0, 4.0, 6.0]  # still queued, in ms from the run's start
+    labels = [t for t in fig.data if t.name == "labels"]
+    # a's "F0" is 15% of its own run but 1.5% of the shared axis (b runs 100 ms): no room for a label
+    assert all("F0" not in t.text for t in labels) and any("B0" in t.text for t in labels)
 
 
 def test_chrome_trace_is_valid_trace_event_json(cluster, tmp_path):

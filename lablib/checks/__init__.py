@@ -30,6 +30,27 @@ class CheckFailed(AssertionError):
 
 
 PASSED: set[str] = set()  # tasks whose check passed in this process (a lab can then use the learner's code)
+TRIED: set[str] = set()  # tasks whose check ran in this process, passed or not
+
+
+def whose(fns: Mapping, tasks: Mapping[str, str], doing: str = "Measuring") -> set[str]:
+    """The names in ``fns`` whose task (``tasks[name]``) passed its check in this process: a lab's
+    measurement runs the learner's function for those and lablib's for the others (a function not checked
+    may be wrong, or hang). Prints which, and why lablib's: the check has not run yet, or failed."""
+    unknown = set(fns) - set(tasks)
+    if unknown:
+        raise TypeError(f"yours() takes {', '.join(tasks)}; got {', '.join(sorted(unknown))}")
+    mine = {k for k in fns if tasks[k] in PASSED}
+    yours = sorted({tasks[k] for k in mine})
+    others = sorted(set(tasks.values()) - set(yours))
+    failed = [t for t in others if t in TRIED]
+    unrun = [t for t in others if t not in TRIED]
+    why = "; ".join(part for part in (
+        f"{', '.join(unrun)}: check not run yet in this kernel" if unrun else "",
+        f"{', '.join(failed)}: check failed" if failed else "") if part)
+    print(f"{doing} " + (f"your functions of {', '.join(yours)}" if yours else "lablib's functions")
+          + (f"; lablib's for {', '.join(others)} ({why})" if yours and others else f" ({why})" if others else ""))
+    return mine
 
 
 class NotDone(CheckFailed):
@@ -174,6 +195,7 @@ class Check:
         sizes = self.sizes(cluster, world_size)
         try:
             PASSED.discard(self.task)
+            TRIED.add(self.task)
             with pools(cluster, sizes) as ranks:
                 for size, pool in zip(sizes, ranks):
                     passed(self.task, self.judge(self.collect(fns, pool, seed), size, seed))

@@ -32,6 +32,10 @@ _RANK_HINTS = (
     ("lost its output", "a unit was freed (reshard) while its prefetched gather was still in flight: wait for "
                         "a unit's gather before freeing it, and never free a unit that is about to compute."),
     ("no gradient shard", "post_backward must leave this rank's shard of the averaged gradient in unit.grad."),
+    ("the whole (padded) gradient", "unit.grad must hold this rank's shard only: reduce-scatter the full gradient "
+                                    "into a tensor of unit.layout.shard_numel and keep that."),
+    ("full_grad() was called twice", "call unit.full_grad() once per backward and keep what it returns: it hands "
+                                     "over the unit's gradients and frees them."),
     ("timed out", "one rank skipped a collective the others called: every rank must issue the same "
                   "collectives, in the same order."),
     ("gradient computation has been modified", "a unit's parameters changed between its forward and its backward."),
@@ -100,6 +104,12 @@ def _walk(task: str, result: dict, expect, what: str, world_size: int) -> None:
                               f"{_pairs(want_pending)}, yours: {_pairs(got)}. " + _pending_hint(moment, got, want_pending))
         for j, op, nbytes, into_unit in pending:
             want = sizes[j] // (world_size if op == "all_gather" else 1)
+            if op == "reduce_scatter" and nbytes == want and not into_unit:
+                raise CheckFailed(f"{task}: {where}, the reduce-scatter in unit {j}'s unit.work writes into a tensor "
+                                  "that is no longer unit.grad: unit.grad was given another tensor while the "
+                                  "reduce-scatter was in flight (e.g. unit.grad = unit.grad / ctx.world_size). The "
+                                  "result lands in the tensor you passed, once wait() returns: keep unit.grad as it "
+                                  "is until then, and divide it in place after waiting (unit.grad /= ctx.world_size).")
             if nbytes != want or not into_unit:
                 raise CheckFailed(f"{task}: {where}, the {op.replace('_', '-')} in unit {j}'s unit.work is not unit "
                                   f"{j}'s: " + ("gather unit.shard into unit.flat." if op == "all_gather" else
@@ -310,21 +320,15 @@ def yours(**fns) -> tuple[prefetch.Hooks, prefetch.Hooks]:
     """(plain hooks, prefetching hooks) for the notebook's measurements: each of the learner's functions
     whose task's check passed in this kernel, lablib's for the others (a hook not checked yet may be wrong
     or hang). Prints whose are used."""
-    from . import PASSED
+    from . import whose
 
-    unknown = set(fns) - set(_TASKS)
-    if unknown:
-        raise TypeError(f"yours() takes {', '.join(_TASKS)}; got {', '.join(sorted(unknown))}")
+    mine = whose(fns, _TASKS)
     lablibs = {**{k: getattr(prefetch.PLAIN, k) for k in ("pre_forward", "post_forward", "pre_backward",
                                                           "post_backward")},
                "prefetch_forward": prefetch.prefetch_forward, "keep_last_post_forward": prefetch.keep_last_post_forward,
                "prefetch_backward": prefetch.prefetch_backward, "overlap_post_backward": prefetch.overlap_post_backward,
                "finish": prefetch.overlap_finish}
-    chosen = {k: fns[k] if k in fns and _TASKS[k] in PASSED else f for k, f in lablibs.items()}
-    mine = sorted({_TASKS[k] for k in chosen if chosen[k] is fns.get(k)})
-    theirs = sorted(set(_TASKS.values()) - set(mine))
-    print("Measuring " + (f"your hooks of {', '.join(mine)}" if mine else "lablib's hooks")
-          + (f"; lablib's for {', '.join(theirs)} (not passed yet)" if mine and theirs else ""))
+    chosen = {k: fns[k] if k in mine else f for k, f in lablibs.items()}
     plain = prefetch.Hooks(chosen["pre_forward"], chosen["post_forward"], chosen["pre_backward"], chosen["post_backward"])
     ahead = prefetch.Hooks(chosen["prefetch_forward"], chosen["keep_last_post_forward"], chosen["prefetch_backward"],
                            chosen["overlap_post_backward"], chosen["finish"])

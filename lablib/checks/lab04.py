@@ -192,6 +192,18 @@ _NAMES = ("the input's gradient", "fc1's weight-shard gradient", "fc1's bias-sha
           "fc2's weight-shard gradient", "fc2's bias gradient")
 
 
+_SWAPPED = ("is what f and g swapped give: Copy (f) all-reduced the input in its forward, so each rank computed on "
+            "world_size times x, and Reduce (g) passed fc2's partial products through. f is the identity forward "
+            "(it all-reduces in its backward); g all-reduces in its forward (and is the identity backward).")
+
+
+def _swapped(model, x, r, n):
+    """Rank r's MLP output with f and g swapped: fc1 of the summed (n times) input, fc2's partial product."""
+    w1, b1 = tp.shard_column(model.fc1.weight.detach(), model.fc1.bias.detach(), r, n)
+    w2, b2 = tp.shard_row(model.fc2.weight.detach(), model.fc2.bias.detach(), r, n)
+    return F.linear(F.gelu(F.linear(n * x, w1, b1)), w2) + b2
+
+
 def judge_mlp(data, world_size, seed) -> str:
     task, n = "Task 4.2", world_size
     _per_rank(task, data, n)
@@ -213,7 +225,8 @@ def judge_mlp(data, world_size, seed) -> str:
         worst = max(worst, _close(task, f"rank {r}'s output", got["out"], y,
                                   "fc1 column-parallel (f first), GELU, fc2 row-parallel without bias, g, then the "
                                   "bias.", [(y + (n - 1) * model.fc2.bias.detach(),
-                                             _bias_twice(n, "g (Reduce)", "all-reduce"))]))
+                                             _bias_twice(n, "g (Reduce)", "all-reduce")),
+                                            (_swapped(model, x, r, n), _SWAPPED)]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)],
              "The backward all-reduces once, in f (Copy.backward), the input's gradient; g's backward "
              "(Reduce.backward) passes the gradient through.")
@@ -249,6 +262,17 @@ def _core(att, causal: bool = True):
     return run
 
 
+def _untransposed(att, x, n):
+    """The output when each rank reshapes its heads' (B, heads, T, head_dim) attention to (B, T, -1) without
+    the transpose, summed over the ranks by g."""
+    B, T, d = x.shape
+    q, k, v = att.qkv(x).view(B, T, 3, att.heads, d // att.heads).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    h = att.heads // n
+    parts = [F.linear(y[:, r * h:(r + 1) * h].reshape(B, T, -1), att.proj.weight.chunk(n, 1)[r]) for r in range(n)]
+    return sum(parts) + att.proj.bias
+
+
 def judge_attention(data, world_size, seed) -> str:
     task, n = "Task 4.3", world_size
     _per_rank(task, data, n)
@@ -259,6 +283,8 @@ def judge_attention(data, world_size, seed) -> str:
                                                               att.proj.bias])
     with torch.no_grad():
         unmasked = _core(att, causal=False)(x)
+        bias_n = y + (n - 1) * att.proj.bias.detach()
+        untransposed = _untransposed(att, x, n)
     worst = dtensor = 0.0
     for r, got in enumerate(data):
         want_w, want_b = tp.shard_qkv(w, b, r, n)
@@ -283,7 +309,13 @@ def judge_attention(data, world_size, seed) -> str:
                                   [(unmasked, "is attention without the causal mask: each token attended to the "
                                               "tokens after it too. Pass is_causal=True to "
                                               "F.scaled_dot_product_attention: a token sees itself and the tokens "
-                                              "before it.")]))
+                                              "before it."),
+                                   (bias_n, _bias_twice(n, "g (Reduce)", "all-reduce").replace("fc2's", "the projection's")),
+                                   (untransposed, "mixes tokens and heads: the attention's output is (B, heads, T, "
+                                                  "head_dim), and reshaping it to (B, T, heads * head_dim) without "
+                                                  "moving the heads next to head_dim first puts another token's "
+                                                  "numbers in each row. Transpose it, y.transpose(1, 2), then "
+                                                  "reshape.")]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)], "f's backward all-reduces the input's gradient.")
         wants = [gx, *tp.shard_qkv(gq, gbq, r, n), *tp.shard_row(go, gbo, r, n)]
         names = ("the input's gradient", "the QKV weight-shard gradient", "the QKV bias-shard gradient",
@@ -359,13 +391,7 @@ _TASKS = {"tp_mlp": ("Task 4.2", "mlp"), "tp_attention": ("Task 4.3", "attention
 def yours(**fns) -> tp.Fns:
     """The functions a measurement runs: each of the learner's whose task's check passed in this kernel,
     lablib's for the others. Prints whose are used."""
-    from . import PASSED
+    from . import whose
 
-    unknown = set(fns) - set(_TASKS)
-    if unknown:
-        raise TypeError(f"yours() takes {', '.join(_TASKS)}; got {', '.join(sorted(unknown))}")
-    mine = {k for k in fns if _TASKS[k][0] in PASSED}
-    waiting = sorted(_TASKS[k][0] for k in set(fns) - mine)
-    print("Measuring " + (f"your functions of {', '.join(sorted(_TASKS[k][0] for k in mine))}" if mine else
-                          "lablib's functions") + (f" (lablib's for {', '.join(waiting)}: not passed yet)" if waiting else ""))
+    mine = whose(fns, {k: task for k, (task, _) in _TASKS.items()})
     return tp.Fns(**{_TASKS[k][1]: fns[k] for k in mine})

@@ -305,7 +305,7 @@ def _top_level_names(item) -> set[str]:
 def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
     """The rules applied to a function defined in a notebook (its source, as IPython keeps it); a
     function whose source cannot be read is refused."""
-    unreadable = ["its source cannot be read (a lambda, a partial, or code made by exec): define it with `def` "
+    unreadable = ["has no source lablib can read (a lambda, a partial, or code made by exec): define it with `def` "
                   "in an exercise cell"]
     if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
         return unreadable

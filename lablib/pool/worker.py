@@ -14,6 +14,8 @@ import time
 
 from . import protocol as P
 
+_WORK_FILE = os.path.join("lablib", "work.py")  # lablib's asynchronous handles
+
 
 def _die_with_parent(parent_pid: int) -> None:
     """Exit when the parent does (a kernel crash or restart must not leave ranks behind)."""
@@ -175,6 +177,10 @@ def describe(exc: BaseException) -> P.Failure:
     te = traceback.TracebackException(type(exc), exc, tb)
     # The collective that failed, e.g. "all_reduce", names the problem better than Gloo's text.
     op = next((f.name for f in reversed(te.stack) if f.filename.endswith("distributed_c10d.py")), None)
+    while op is None and tb is not None:  # else the handle it waited on: lablib's Work knows its op (a recv's
+        frame, tb = tb.tb_frame, tb.tb_next  # error is raised again in wait(), from the thread that watched it)
+        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith(_WORK_FILE):
+            op = getattr(frame.f_locals.get("self"), "op", None)
     # c10d_logger.py only wraps every collective: its frames are noise to a learner.
     te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.endswith("c10d_logger.py")])
     try:

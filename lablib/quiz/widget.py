@@ -20,7 +20,9 @@ from .store import AnswerStore
 _STYLE = ("<style>.lablib-rtl, .lablib-rtl * {direction: rtl; text-align: right;} "
           ".lablib-rtl .widget-radio-box input {float: right; margin: 0 1px 0 8px;} "  # ipywidgets floats it left
           ".lablib-quiz .widget-radio-box label, .lablib-quiz .widget-checkbox label {white-space: normal; height: auto; "
-          "min-height: var(--jp-widgets-inline-height);}</style>")  # a wrapped choice grows instead of overprinting
+          "min-height: var(--jp-widgets-inline-height);} "  # a wrapped choice grows instead of overprinting,
+          ".lablib-quiz .widget-radio-box label {display: flex; align-items: flex-start;} "  # and its button stays
+          ".lablib-quiz .widget-radio-box input {flex: none; margin-top: 3px;}</style>")  # beside its first line
 _GROUPED = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?([eE][+-]?\d+)?")  # 1,000,000.5
 
 

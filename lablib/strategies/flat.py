@@ -92,11 +92,18 @@ class Unit:
     state: dict
     grad: torch.Tensor | None = None
     work: object = None  # a collective in flight for this unit (lab 03: an async_op=True handle)
+    took_grad: bool = False  # full_grad() was called since the parameters' gradients were last set
 
     def full_grad(self) -> torch.Tensor:
         """The unit's parameter gradients in one padded flat buffer (the per-parameter ones are freed)."""
         from ..timeline import span
 
+        params = list(self.module.parameters())
+        if self.took_grad and all(p.grad is None for p in params):
+            raise RuntimeError("this unit's full_grad() was called twice in one backward: the first call took its "
+                               "gradients (and freed them), so this one would return zeros. Keep what the first "
+                               "call returned.")
+        self.took_grad = True
         with span("copy grads", op="compute"):
             return flat_grad(self)
 

@@ -77,9 +77,14 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
         mine = dict(stages)
         params = {s: [q for b in st.blocks for q in b.parameters()] for s, st in mine.items()}
         record = next(iter(mine.values())).rank_held
-        _, ops = comm.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r])
+        works: list = []
+        _, ops = comm.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r], works=works)
         left = [f"stage {s} holds micro-batch {mb}" for s, st in mine.items() for mb in st._held]
-        out[name] = {"grads": _grads(params), "ops": ops, "left": left, "ran": [f"{k}{mb}/{s}" for k, mb, s in record.log],
+        unwaited = [w.op for w in works if not w.waited]
+        for w in works:  # a send left in flight must not meet the next schedule's messages
+            w.wait()
+        out[name] = {"grads": _grads(params), "ops": ops, "left": left, "unwaited": unwaited,
+                     "ran": [f"{k}{mb}/{s}" for k, mb, s in record.log],
                      "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}
     return out
 

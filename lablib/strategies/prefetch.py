@@ -272,6 +272,14 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
                             raise RuntimeError(
                                 f"unit {i} has no gradient shard after the backward pass: post_backward (or "
                                 "finish) must leave this rank's shard of the averaged gradient in unit.grad")
+                        if u.grad.numel() != u.layout.shard_numel:
+                            whole = u.grad.numel() == u.layout.padded_numel
+                            raise RuntimeError(
+                                f"unit {i}'s unit.grad holds {u.grad.numel()} numbers after the backward pass"
+                                + (", the whole (padded) gradient" if whole else "") + f"; a shard is "
+                                f"{u.layout.shard_numel}: post_backward (or finish) must leave this rank's shard of "
+                                "the averaged gradient there, reduce-scattered from unit.full_grad() into a tensor of "
+                                "unit.layout.shard_numel")
                         ctx.update(u, u.grad)
                         u.grad = None
                 losses.append(loss.item())
@@ -352,3 +360,19 @@ def measure(cluster, hooks: Hooks, depth: int = 0, link: comm.Link | None = None
     times = step_times(results)
     return {"depth": depth, "step": statistics.median(times), "range": (min(times), max(times)), "steps": steps,
             "peak": max(r["peak"] for r in results), "timeline": timeline, "hidden": hidden_fraction(timeline)}
+
+
+def versus_fsdp2(cluster, hooks: Hooks, depth: int = 1, model_name: str = "wide8", steps: int | None = None) -> dict:
+    """The step times of ``hooks`` and of FSDP2 (``fsdp2_train``), both prefetching ``depth`` units ahead,
+    back to back on ``cluster`` with nothing traced (a profiler slows FSDP2's many small ops more than
+    lablib's few): {name: median step, its range, the number of steps}."""
+    from ..paths import quick
+
+    steps = steps or (2 if quick() else 5)
+    runs = {f"yours, depth {depth}": cluster.run(train, hooks, model_name, steps, depth=depth, warmup=1),
+            f"FSDP2, depth {depth}": cluster.run(fsdp2_train, model_name, steps, depth, 1)}
+    out = {}
+    for name, results in runs.items():
+        times = step_times(results)
+        out[name] = {"step": statistics.median(times), "range": (min(times), max(times)), "steps": steps}
+    return out

@@ -72,7 +72,8 @@ def timelines(runs):
     """The measured runs one above the other on one time axis."""
     return compare(*[r["timeline"] for r in runs], titles=[
         f"{TITLES[r['name']]}, p={r['p']}" + (f", m={r['m']}" if r["name"] != "naive" else "")
-        + (f", v={r['v']}" if r["v"] > 1 else "") for r in runs])
+        + (f", v={r['v']}" if r["v"] > 1 else "")
+        + (" (measured)" if r["cost"] is None else f" (simulated compute, {r['cost'] * 1e3:g} ms a block)") for r in runs])
 
 
 def table(runs) -> str:
@@ -82,6 +83,7 @@ def table(runs) -> str:
     how = ("measured on this machine: real compute, real messages" if costs == {None} else
            f"simulated compute ({', '.join(f'{c * 1e3:g} ms' for c in sorted(costs - {None}))} per block, "
            "a full backward twice that), real messages" + (", and runs with real compute" if None in costs else ""))
+    how += "; each row: its schedule's last timed step, after a warm-up"
     lines = [how, f"{'schedule':<21}{'p':>3}{'m':>4}{'v':>3}{'step ms':>9}{'busy':>7}{'bubble':>8}{'theory':>8}"
                   f"{'overhead':>10}"]
     for r in runs:

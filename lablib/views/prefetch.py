@@ -26,12 +26,13 @@ def depth_figure(rows, link=None):
 
 
 def step_lines(runs: dict, how: str) -> str:
-    """One line per run of ``prefetch.measure``: the median step, its range over the timed steps, and the
-    share of the last step's communication that ran under compute. ``how``: what was measured ("measured,
-    Gloo"; "simulated link")."""
+    """One line per run of ``prefetch.measure`` (or ``prefetch.versus_fsdp2``): the median step, its range
+    over the timed steps, and (where measured) the share of the last step's communication that ran under
+    compute. ``how``: what was measured ("measured, Gloo"; "simulated link")."""
     lines = []
     for name, m in runs.items():
         lo, hi = m["range"]
+        hidden = f"{m['hidden']:4.0%} of the last step's communication under compute " if "hidden" in m else ""
         lines.append(f"{name:18s} step {m['step'] * 1e3:6.1f} ms (median of {m['steps']}, {lo * 1e3:.1f}–{hi * 1e3:.1f}), "
-                     f"{m['hidden']:4.0%} of the last step's communication under compute ({how})")
+                     f"{hidden}({how})")
     return "\n".join(lines)

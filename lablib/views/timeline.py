@@ -36,7 +36,7 @@ OPS = {
     "comm": ("#AA4499", "", "comm"),
     "idle": ("#DDDDDD", "", "marked idle"),
     "waiting": ("#D9D9D9", "", "waiting for a peer"),
-    "outline": ("#222222", "", "outline"),
+    "outline": ("#666666", "", "outline"),
 }
 LANES = ("compute", "comm")
 LEGENDS = {"queued": "queued (behind earlier collectives)", "later": "outlined: a rank's later stage"}
@@ -91,9 +91,9 @@ def later_stage(span, world_size: int) -> bool:
 
 
 def fits(text: str, width: float) -> bool:
-    """Whether ``text`` fits on a bar ``width`` of the chart's width long (10 px type on a chart about
-    950 px wide: some 6 px a character)."""
-    return width * 950 >= 6 * len(text) + 4
+    """Whether ``text`` fits on a bar ``width`` of the chart's width long (10 px type on a plot area
+    about 800 px wide, as in a notebook: some 6.5 px a character, and a little room either side)."""
+    return width * 800 >= 6.5 * len(text) + 6
 
 
 def label(span) -> str:
@@ -113,13 +113,14 @@ def label(span) -> str:
     return f"{prefix}{number}"
 
 
-def _bars(timeline, show_legend=True, shown: set | None = None):
+def _bars(timeline, show_legend=True, shown: set | None = None, span: float | None = None):
     """The traces of one timeline: one WebGL trace per op, and one trace of labels. ``shown``: the ops
-    already in the legend (several timelines in one figure list each op once)."""
+    already in the legend (several timelines in one figure list each op once); ``span``: the seconds the
+    shared time axis spans (default: this timeline's), which decides where a label fits."""
     shown = set() if shown is None else shown
     flat = compact(timeline)
     spans = [s for s in timeline.spans if s.kind in ("compute", "comm", "idle")]
-    total = timeline.duration or 1.0
+    total = span or timeline.duration or 1.0
     cut = phases(spans, timeline.world_size)
     by_op: dict[str, list] = {}
     moving_from = {}  # where each span's own bar (and label) starts
@@ -154,7 +155,7 @@ def _bars(timeline, show_legend=True, shown: set | None = None):
         legend = style if style in ("queued", "later") else op
         first = legend not in shown  # one legend entry per op, one for every queued line, one for later stages
         shown.add(legend)
-        width = {"queued": 3, "half": 7, "later": 19}.get(style, 14)
+        width = {"queued": 3, "half": 7, "later": 17}.get(style, 14)
         traces.append(go.Scattergl(x=xs, y=ys, mode="lines", name=LEGENDS.get(style, name), legendgroup=legend,
                                    showlegend=show_legend and first, text=texts, hovertemplate="%{text}<extra></extra>",
                                    line=dict(color=colour, width=width), connectgaps=False))
@@ -240,8 +241,10 @@ def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
         fig = go.Figure(_bars(timeline))
         _axis(fig, n, flat=flat)
         fig.update_xaxes(title="time since the job started (ms)")
-    fig.update_layout(title=title if title is not None else (timeline.title or "Per-rank timeline"),
-                      height=chart_h + table_h + 140, margin=dict(l=110, r=20, t=50, b=10),
+    # the title at the top, the legend (two rows where it has many entries) between it and the chart
+    fig.update_layout(title=dict(text=title if title is not None else (timeline.title or "Per-rank timeline"),
+                                 y=1.0, yref="container", yanchor="top", pad=dict(t=12)),
+                      height=chart_h + table_h + 180, margin=dict(l=110, r=20, t=90, b=10),
                       legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"),
                       plot_bgcolor="white", hovermode="closest")
     return fig
@@ -250,28 +253,36 @@ def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
 def _from_zero(timeline):
     """The same timeline with its first span at t = 0, so runs line up by their own start."""
     t0 = min((s.start for s in timeline.spans), default=0.0)
-    spans = [dataclasses.replace(s, start=s.start - t0, end=s.end - t0) for s in timeline.spans]
+    spans = [dataclasses.replace(s, start=s.start - t0, end=s.end - t0,
+                                 runs_from=None if s.runs_from is None else s.runs_from - t0) for s in timeline.spans]
     return type(timeline)(spans, timeline.world_size, timeline.clock_error, timeline.title)
 
 
-def compare_figure(timelines, titles=None):
+def compare_figure(timelines, titles=None, steps=None):
     """Two or more timelines one above the other on a shared time axis (each from its own first span),
-    each titled with its step time and the change against the first."""
+    each titled with its step time and the change against the first: the drawn timeline's length, or
+    ``steps`` (seconds, one per timeline: e.g. the median over several steps, of which the drawn one is
+    the last)."""
     titles = titles or [t.title or f"run {i + 1}" for i, t in enumerate(timelines)]
     timelines = [_from_zero(t) for t in timelines]
     if len(titles) != len(timelines):
         raise ValueError(f"compare: {len(timelines)} timelines but {len(titles)} titles")
-    base = timelines[0].duration
+    if steps is not None and len(steps) != len(timelines):
+        raise ValueError(f"compare: {len(timelines)} timelines but {len(steps)} step times")
+    times = list(steps) if steps is not None else [t.duration for t in timelines]
+    base = times[0]
     heads = []
-    for i, (t, name) in enumerate(zip(timelines, titles)):
-        change = "" if i == 0 or not base else f", {100 * (t.duration - base) / base:+.0f}% vs {titles[0]}"
-        heads.append(f"{name}: {t.duration * 1e3:.2f} ms{change}")
+    for i, (t, name, time) in enumerate(zip(timelines, titles, times)):
+        change = "" if i == 0 or not base else f", {100 * (time - base) / base:+.0f}% vs {titles[0]}"
+        drawn = "" if steps is None else f" (drawn: the last, {t.duration * 1e3:.2f} ms)"
+        heads.append(f"{name}: {'median step ' if steps is not None else ''}{time * 1e3:.2f} ms{change}{drawn}")
     heights = [(2 if compact(t) else 3) * t.world_size for t in timelines]
     fig = make_subplots(rows=len(timelines), cols=1, shared_xaxes=True, vertical_spacing=0.12 / len(timelines),
                         subplot_titles=heads, row_heights=heights)
     shown: set = set()
+    axis = max(t.duration for t in timelines) or None  # one axis: a label fits by the span it shares
     for i, t in enumerate(timelines, start=1):
-        for trace in _bars(t, shown=shown):
+        for trace in _bars(t, shown=shown, span=axis):
             fig.add_trace(trace, row=i, col=1)
         _axis(fig, t.world_size, row=i, col=1, flat=compact(t))
     fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
