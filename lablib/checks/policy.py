@@ -273,7 +273,7 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                 add(node, f"gives class {node.name} keywords ({', '.join(k.arg or '**' for k in node.keywords)}): a "
                           "metaclass runs code of its own when the class is defined")
             for item in node.body:
-                for name in sorted(_top_level_names(item)):
+                for name in sorted(top_names(item)):
                     if name.startswith("__") and name.endswith("__"):
                         add(item, f"defines {node.name}.{name}: a class in an exercise holds plain methods (an "
                                   "autograd Function's forward and backward), no hooks Python calls by itself")
@@ -293,13 +293,12 @@ def _dist_rule(module, attr: str, forbidden: dict) -> str | None:
     return None
 
 
-def _top_level_names(item) -> set[str]:
-    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        return {item.name}
-    if isinstance(item, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
-        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return set()
+def top_names(node) -> set[str]:
+    """The names a statement of a module or class body binds: a definition its name, any other statement
+    every name bound in it (targets, imports, loop variables, ``:=``)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    return bound_names(ast.Module(body=[node], type_ignores=[]))
 
 
 def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:

@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from ..checks import Check
-from ..checks.policy import GLOBALS, SAFE_BUILTINS, bound_names, module_aliases, problems
+from ..checks.policy import GLOBALS, SAFE_BUILTINS, module_aliases, problems, top_names
 from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
 
 
@@ -90,13 +90,6 @@ def _text(nodes: list, source: str) -> str:
     return text
 
 
-def _top_names(node) -> set[str]:
-    """The names a top-level statement binds."""
-    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-        return {node.name}
-    return bound_names(ast.Module(body=[node], type_ignores=[]))
-
-
 def exercise_code(nb) -> Exercise:
     """The graded code of a (validated) submission."""
     ex, included = Exercise(), []
@@ -110,7 +103,7 @@ def exercise_code(nb) -> Exercise:
         if tagged or (defines and all(_keep(n) for n in tree.body)):
             included.append((index, cell, tree))
     defined = {name for _, _, tree in included if tree for node in tree.body if _keep(node)
-               for name in _top_names(node)}
+               for name in top_names(node)}
     outer = module_aliases(node for _, _, tree in included if tree for node in tree.body if _keep(node))
     for index, cell, tree in included:
         if tree is None:  # runs as it is, so the learner sees its SyntaxError in the report
@@ -129,7 +122,7 @@ def exercise_code(nb) -> Exercise:
                     ex.functions.pop(node.name, None)
                 continue
             kept.append(node)
-            for name in _top_names(node):
+            for name in top_names(node):
                 ex.names.add(name)
                 ex.nodes[name] = node
             if isinstance(node, ast.FunctionDef):
