@@ -248,7 +248,7 @@ def course(tmp_path_factory):
     (root / "tmp").mkdir()  # the boxes' folders go here, so the test finds what this run started
     proc = subprocess.run([sys.executable, "-m", "lablib", "grade", str(subs), "--release", str(root / "release"),
                            "--source", str(root / "source"), "--out", str(out), "--check-timeout",
-                           str(CHECK_TIMEOUT), "--seed", "42"], capture_output=True, text=True, timeout=1200,
+                           str(CHECK_TIMEOUT), "--seed", "42", "--jobs", "2"], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TMPDIR": str(root / "tmp")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = list(csv.DictReader(open(out)))
