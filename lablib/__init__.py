@@ -22,7 +22,7 @@ _EXPORTS = {
     "Cluster": "pool", "RankError": "pool", "cluster": "pool",
     "span": "timeline", "Timeline": "timeline", "Span": "timeline", "compare": "timeline",
     "profiled": "profiling", "timed": "profiling",
-    "device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
+    "device": "comm", "to_device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
     "broadcast": "comm", "all_to_all": "comm", "barrier": "comm",
     "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm",
 }

@@ -56,7 +56,7 @@ def measure(size: int, iters: int = 5, ring=None, dtype=torch.float32) -> dict:
 
     ring = ring or _LABLIB
     n = dist.get_world_size()
-    dev = comm.device()
+    dev = comm.torch_device()  # the GPU under NCCL; host memory under Gloo, where the link is
     elems = max(n, size // torch.tensor([], dtype=dtype).element_size() // n * n)  # a multiple of n
     full = torch.ones(elems, dtype=dtype, device=dev)
     part = torch.ones(elems // n, dtype=dtype, device=dev)

@@ -22,6 +22,7 @@ kernels: the overlap is real, but communication takes SMs and memory bandwidth f
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .device_audit import check_collective
+from .device_audit import enabled as _audited
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
 from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until
 
@@ -39,10 +42,34 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device this rank computes on (``lablib.device()``): the GPU its pool gave it (its own under
+    NCCL, a shared one when there are fewer GPUs than ranks; ``lablib.cluster(device=...)`` decides, and
+    under torchrun ``lablib.run``), else the CPU. Outside a pool, its GPU under an NCCL process group."""
+    kind = os.environ.get("LABLIB_DEVICE")
+    if kind is None and dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
+        kind = "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def torch_device() -> torch.device:
+    """Where PyTorch's own parallel APIs (FSDP2, DTensor, ``torch.distributed.pipelining``) run when a lab
+    compares with them: this rank's GPU under NCCL; the CPU under Gloo, which does not take CUDA tensors for
+    every collective they use (send/recv, reduce-scatter)."""
+    return device() if dist.is_initialized() and not _on_gloo(None) else torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Wait for this rank's GPU (nothing to wait for on the CPU): before a clock reads the end of GPU work."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def to_device(*tensors):
+    """``tensors`` moved to this rank's device (one tensor back for one given): what a rank job does with
+    the models and data it built on the CPU from a seed, so every device starts from the same numbers."""
+    dev = device()
+    moved = [t.to(dev) for t in tensors]
+    return moved[0] if len(moved) == 1 else moved
 
 
 # Bytes one rank sends, as a fraction of a collective's full size S, in the bandwidth-optimal ring
@@ -161,13 +188,13 @@ def restart_clock() -> None:
     CLOCK.paused = 0
 
 
-def _over_link(link, name, nbytes, async_op, call, op, meta, target):
+def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None):
     issued = _now()
     real = time.perf_counter_ns()
     work = call()
     if async_op:
         work.wait()
-    last = torch.tensor([issued], dtype=torch.int64)
+    last = torch.tensor([issued], dtype=torch.int64, device="cpu")  # Gloo's side of the group, under NCCL too
     dist.all_reduce(last, dist.ReduceOp.MAX)  # the link starts when the last rank has issued
     CLOCK.paused += time.perf_counter_ns() - real
     start = max(int(last.item()), _SIM.free)
@@ -176,7 +203,7 @@ def _over_link(link, name, nbytes, async_op, call, op, meta, target):
     if async_op:
         trace = AsyncSpan(name, "comm", nbytes, **meta)
         trace.t0 = issued
-        return Work(work, trace, end, target)
+        return Work(work, trace, end, target, back)
     _sleep_until(end)
     if RECORDER.spans is not None:
         RECORDER.spans.append(RawSpan(name, "comm", issued, end, RECORDER.depth, nbytes, False, meta))
@@ -199,62 +226,110 @@ def watched(fn, *args, works: list | None = None):
         WATCH[0] = WORKS[0] = None
 
 
-def _traced(name, nbytes, async_op, call, tensor, op, target=None, **meta):
+STAGE_CPU = [False]  # stage CPU tensors through host copies too: the staging path, tested without a GPU
+
+
+def _on_gloo(group) -> bool:
+    return "nccl" not in str(dist.get_backend(group))
+
+
+def _host_copy(t, read: bool):
+    """A pinned host tensor like ``t`` (its values copied in if ``read``), for Gloo."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    if read:
+        with span("copy to host", "comm", bytes=t.nbytes, op="memcpy"):
+            host.copy_(t)
+    return host
+
+
+def copy_back(pairs) -> None:
+    """After a staged collective: each host result copied into its GPU tensor."""
+    for host, dev in pairs:
+        with span("copy from host", "comm", bytes=host.nbytes, op="memcpy"):
+            dev.copy_(host)
+
+
+def _staged(op, tensor, target):
+    """CUDA tensors for Gloo, which takes host memory (its send/recv do not stage CUDA tensors at all): host
+    copies of the tensors and the (host, GPU) pairs to copy back once the collective completed. The copies
+    are spans of their own ("copy to host", "copy from host"), so the timeline shows what staging costs."""
+    if target is not None:  # out of place: input copied in, output copied back
+        out = _host_copy(target, False)
+        return _host_copy(tensor, True), out, [(out, target)]
+    host = _host_copy(tensor, op != "recv")
+    return host, None, [] if op == "send" else [(host, tensor)]
+
+
+def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, **meta):
+    """``call(tensor, target)`` traced as one comm span (or a ``Work`` when ``async_op``)."""
+    if _audited():
+        check_collective(tensor, op)
+        if target is not None:
+            check_collective(target, op)
     if WATCH[0] is not None:
         WATCH[0].append((op, target, nbytes))
+    back, device_target = None, target
+    if (tensor.is_cuda or STAGE_CPU[0]) and _on_gloo(group):
+        tensor, target, back = _staged(op, tensor, target)
     if _SIM.link is not None and op not in ("send", "recv"):
-        return _over_link(_SIM.link, name, nbytes, async_op, call, op, meta, target)
+        out = _over_link(_SIM.link, name, nbytes, async_op, lambda: call(tensor, target), op, meta, device_target, back)
+        if back and not async_op:
+            copy_back(back)
+        return out
     if async_op:  # the span opens before the call: a message's bar starts when it was posted
         trace = AsyncSpan(name, "comm", nbytes, op=op, **meta)
-        work = Work(call(), trace, target=target)
+        work = Work(call(tensor, target), trace, target=device_target, back=back)
         if WORKS[0] is not None:
             WORKS[0].append(work)
         return work
     with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
         # Only while recording: a timing loop (bandwidth.sweep) must not pay two /proc reads a message.
         before = written() if RECORDER.spans is not None and not tensor.is_cuda else None
-        out = call()
+        out = call(tensor, target)
         if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
             torch.cuda.synchronize(tensor.device)
         elif before is not None:
             s.meta["wire"] = written() - before
+    if back:
+        copy_back(back)
     return out
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="all_reduce"):
-    return _traced(name, tensor.nbytes, async_op, lambda: dist.all_reduce(tensor, op, group, async_op), tensor,
-                   "all_reduce")
+    return _traced(name, tensor.nbytes, async_op, lambda t, _: dist.all_reduce(t, op, group, async_op), tensor,
+                   "all_reduce", group=group)
 
 
 def all_gather(output, input, group=None, async_op=False, name="all_gather"):
     """``output`` (world_size * n elements) receives every rank's ``input`` (n elements), in rank order.
     With ``async_op=True`` on a CPU, ``output`` is filled by ``wait()``."""
-    def call():
+    def call(input, output):
         if async_op and not output.is_cuda:
             return _CopyOut(output, lambda buffer: all_gather_single(buffer, input, group, True))
         return all_gather_single(output, input, group, async_op)
 
-    return _traced(name, input.nbytes, async_op, call, input, "all_gather", target=output)
+    return _traced(name, input.nbytes, async_op, call, input, "all_gather", target=output, group=group)
 
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
-    def call():
-        if async_op and not input.is_cuda and dist.get_backend(group) == "gloo":
+    def call(input, output):
+        if async_op and not input.is_cuda and _on_gloo(group):
             return _GlooAsyncReduceScatter(output, input, op, group)
         return reduce_scatter_single(output, input, op, group, async_op)
 
-    return _traced(name, input.nbytes, async_op, call, input, "reduce_scatter", target=output)
+    return _traced(name, input.nbytes, async_op, call, input, "reduce_scatter", target=output, group=group)
 
 
 def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
-    return _traced(name, tensor.nbytes, async_op, lambda: dist.broadcast(tensor, src, group, async_op), tensor,
-                   "broadcast")
+    return _traced(name, tensor.nbytes, async_op, lambda t, _: dist.broadcast(t, src, group, async_op), tensor,
+                   "broadcast", group=group)
 
 
 def all_to_all(output, input, group=None, async_op=False, name="all_to_all"):
     return _traced(name, input.nbytes, async_op,
-                   lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), input, "all_to_all")
+                   lambda i, o: dist.all_to_all_single(o, i, group=group, async_op=async_op), input, "all_to_all",
+                   target=output, group=group)
 
 
 def barrier(group=None, name="barrier"):
@@ -273,8 +348,8 @@ def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
     default = f"send to {peer}" if op == "send" else f"recv from {peer}"
     if tag:
         meta["tag"] = tag
-    return _traced(name or default, tensor.nbytes, async_op, lambda: call(tensor, peer, group, tag), tensor, op,
-                   peer=peer, **meta)
+    return _traced(name or default, tensor.nbytes, async_op, lambda t, _: call(t, peer, group, tag), tensor, op,
+                   group=group, peer=peer, **meta)
 
 
 def send(tensor, dst, group=None, name=None, tag=0, **meta):

@@ -3,7 +3,7 @@
     %load_ext lablib
 
     %%ranks 4
-    x = torch.ones(2) * rank
+    x = torch.ones(2, device=lablib.device()) * rank
     dist.all_reduce(x)
     print(x)
 

@@ -54,7 +54,10 @@ class RankPool:
     def __init__(self, backend: str, timeout: float):
         import torch.distributed as dist
 
+        from .comm import device
+
         self.world_size, self.backend, self.timeout = dist.get_world_size(), backend, timeout
+        self.device = device().type
         self.spans, self.origin_ns = [], 0  # the last job's spans on this rank, and when it started
 
     def run(self, fn, *args, **kwargs):
@@ -91,10 +94,10 @@ def clock_offsets(rounds: int = 8) -> dict[int, tuple[int, int]]:
     import torch
     import torch.distributed as dist
 
-    from .comm import device
+    from .comm import torch_device
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    buf = torch.zeros(1, dtype=torch.int64, device=device())
+    buf = torch.zeros(1, dtype=torch.int64, device=torch_device())  # raw send/recv: Gloo takes no CUDA tensors
     out = {0: (0, 0)} if rank == 0 else {}
     for peer in range(1, n):
         best = None
@@ -229,9 +232,11 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    nccl = torch.cuda.is_available() and torch.cuda.device_count() >= local
-    if nccl:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = gpus >= local > 0  # a GPU per rank on this node; fewer: the ranks share them, over Gloo
+    os.environ["LABLIB_DEVICE"] = "cuda" if gpus else "cpu"  # lablib.device(), as in a notebook's pool
+    if gpus:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
@@ -246,7 +251,8 @@ def main(argv=None) -> int:
         pool, ok = RankPool("nccl" if nccl else "gloo", args.timeout), True
         for lab, notebook in zip(labs, notebooks):
             if rank == 0:
-                _say(f"lablib.run {lab.notebook}: {n} ranks ({'NCCL' if nccl else 'Gloo'}), {notebook}")
+                how = "NCCL" if nccl else f"Gloo; {local} ranks a node share {gpus} GPU(s)" if gpus else "Gloo"
+                _say(f"lablib.run {lab.notebook}: {n} ranks ({how}), {notebook}")
             pool.spans, pool.origin_ns = [], 0  # this lab's trace holds this lab's last job only
             passed, other = run_checks(lab, notebook, pool)
             name = Path(f"lablib-{lab.notebook}-trace.json")

@@ -28,8 +28,9 @@ class Work:
     (lab 05's executor waits for its sends at the end of the step). ``wait()`` then waits for the
     watcher, and ``done_at`` says when the work completed (ns on the span clock)."""
 
-    def __init__(self, work, trace: AsyncSpan, end: int | None = None, target=None):
+    def __init__(self, work, trace: AsyncSpan, end: int | None = None, target=None, back=None):
         self._work, self._span, self._end, self._target = work, trace, end, target
+        self._back = back  # (host, GPU) tensors to copy once done: a CUDA collective staged for Gloo
         self._waited, self._done, self._error, self.done_at = False, None, None, None
         if end is None:
             try:
@@ -69,7 +70,7 @@ class Work:
         if self._end is not None:  # the data is here already; the link would still be busy until _end
             _sleep_until(self._end)
             self._span.close(at=self._end)
-            self._waited = True
+            self._finish()
             return True
         if self._done is not None:
             timeout = args[0] if args else None
@@ -81,8 +82,15 @@ class Work:
         else:
             out = self._work.wait(*args)
         self._span.close()  # a no-op where the completion closed it already
-        self._waited = True
+        self._finish()
         return out
+
+    def _finish(self):
+        if self._back and not self._waited:
+            from .comm import copy_back
+
+            copy_back(self._back)
+        self._waited = True
 
     def is_completed(self):
         if self._end is not None:
@@ -139,7 +147,7 @@ class _CopyOut:
     easy mistake when prefetching) would let it write into freed memory and crash the rank."""
 
     def __init__(self, output, start):
-        self._output, self._buffer = output, torch.empty(output.shape, dtype=output.dtype)
+        self._output, self._buffer = output, torch.empty(output.shape, dtype=output.dtype, device=output.device)
         self._work = start(self._buffer)
 
     def wait(self, *args):

@@ -45,3 +45,33 @@ def test_torchrun_runs_a_lab_on_the_gpus(tmp_path):
                           "lablib.run", "welcome", "--trace", str(tmp_path / "t.json")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "(NCCL)" in out.stdout and "0 failed" in out.stdout, out.stdout + out.stderr
+
+
+def _where():
+    import lablib
+
+    return str(lablib.device())
+
+
+def test_ranks_share_one_gpu_for_compute_and_talk_over_gloo(capsys):
+    """More ranks than GPUs: each computes on a GPU (round-robin), lablib's collectives go over Gloo through
+    host memory, and every lab's rank checks pass."""
+    from test_device import RANK_CHECKS
+
+    n = GPUS + 1
+    with Cluster(n, timeout=60) as c:
+        assert c.backend == "gloo" and c.device == "cuda"
+        assert f"{n} ranks share {GPUS} GPU(s) for compute" in capsys.readouterr().out
+        assert c.run(_where) == [f"cuda:{r % GPUS}" for r in range(n)]
+        for check, fns in RANK_CHECKS:
+            check.judge(check.collect(fns, c, None), n, None)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="NCCL at 2 ranks needs 2 GPUs")
+def test_every_labs_rank_checks_pass_under_nccl_at_2_ranks():
+    from test_device import RANK_CHECKS
+
+    with Cluster(2, backend="nccl", timeout=60, quiet=True) as c:
+        assert c.run(_where) == ["cuda:0", "cuda:1"]
+        for check, fns in RANK_CHECKS:
+            check.judge(check.collect(fns, c, None), 2, None)

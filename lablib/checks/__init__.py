@@ -126,7 +126,9 @@ def pools(cluster: Cluster | None, sizes=(2, 3, 4)):
     """Yields a pool per size, started when reached: the notebook's own where its size matches, else an
     extra one like it (``lablib.pool.spare``: kept for the next check of that size; a check that fails at its first
     size starts no other). A size of None (a check that runs in this process) gets None."""
-    like = dict(backend=cluster.backend, timeout=cluster.timeout) if cluster is not None else {}
+    # like it: its device, its timeout and (NCCL needing a GPU per rank, which another size may not have) Gloo
+    like = dict(backend="gloo" if cluster.backend == "gloo" else "auto", timeout=cluster.timeout,
+                device=cluster.device) if cluster is not None else {}
 
     def each():
         for n in sizes:

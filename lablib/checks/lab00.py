@@ -20,7 +20,9 @@ def mean_job(fn, seed=None):
     """On each rank: the learner's function on this rank's input."""
     import torch.distributed as dist
 
-    return fn(inputs(dist.get_world_size(), seed)[dist.get_rank()].clone())
+    from ..comm import to_device
+
+    return fn(to_device(inputs(dist.get_world_size(), seed)[dist.get_rank()]).clone())
 
 
 def collect_mean(fns, pool, seed):

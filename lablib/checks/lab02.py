@@ -48,16 +48,18 @@ def ring_job(fn, op: str, seed=None) -> list:
 
     from ..timeline import RECORDER
 
+    from ..comm import to_device
+
     rank, n = dist.get_rank(), dist.get_world_size()
     out = []
     for dtype, chunk in ring_cases(seed):
-        x = ring_input(op, n, rank, dtype, chunk, seed)
+        x = to_device(ring_input(op, n, rank, dtype, chunk, seed))
         before = len(RECORDER.spans)
         if op == "all_reduce":
             got = x.clone()
             fn(got)
         else:
-            got = torch.zeros(chunk * n if op == "all_gather" else chunk, dtype=x.dtype)
+            got = torch.zeros(chunk * n if op == "all_gather" else chunk, dtype=x.dtype, device=x.device)
             fn(got, x.clone())
         comm = [s for s in RECORDER.spans[before:] if s.kind == "comm"]
         sent = [s.bytes or 0 for s in comm if s.meta.get("op") == "send"]

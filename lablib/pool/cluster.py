@@ -41,7 +41,7 @@ from ..paths import ROOT
 from ..timeline import Timeline
 from . import protocol as P
 from . import zygote
-from .backend import describe_backend, resolve_backend
+from .backend import describe_backend, resolve_backend, resolve_device
 from .failures import signal_name
 from .job import LOST, Job, StopButton, cell_sources, noise, print_output
 
@@ -63,7 +63,9 @@ class _Worker:
 class Cluster:
     """``world_size`` persistent ranks running ``torch.distributed`` code.
 
-    backend: "auto" (NCCL with one GPU per rank, else Gloo on CPU), "gloo" or "nccl".
+    backend: "auto" (NCCL with one GPU per rank, else Gloo), "gloo" or "nccl".
+    device:  where each rank computes: "auto" (the GPUs where there are any: one per rank, or shared
+             round-robin when there are fewer GPUs than ranks; else the CPU), "cpu" or "cuda".
     timeout: seconds a collective may wait for its peers (the process group timeout), and how long
              the other ranks get to finish once one rank has finished.
     threads: torch threads per rank (default: CPU cores // world_size, at least 1).
@@ -78,8 +80,9 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 10.0, *,
                  threads: int | None = None, debug: bool = False, job_limit: float | None = None,
-                 quiet: bool = False):
-        self.backend = resolve_backend(backend, world_size)
+                 quiet: bool = False, device: str = "auto"):
+        self.backend = resolve_backend(backend, world_size, device)
+        self.device = resolve_device(device, self.backend)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -115,7 +118,7 @@ class Cluster:
             raise
         self.start_seconds = time.perf_counter() - t0
         if not quiet:
-            print(f"lablib: {world_size} rank(s), {describe_backend(self.backend, world_size, self.threads)}; "
+            print(f"lablib: {world_size} rank(s), {describe_backend(self.backend, world_size, self.threads, self.device)}; "
                   f"ready in {self.start_seconds:.1f} s")
 
     # -- public API ------------------------------------------------------------------------------
@@ -209,14 +212,14 @@ class Cluster:
 
     def __repr__(self):
         state = "closed" if self._closed else "running"
-        return f"<Cluster world_size={self.world_size} backend={self.backend} timeout={self.timeout}s {state}>"
+        return f"<Cluster world_size={self.world_size} backend={self.backend} device={self.device} timeout={self.timeout}s {state}>"
 
     # -- processes -------------------------------------------------------------------------------
     def _spawn(self, rank):
         path = [str(ROOT), os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p)]
         env = dict(os.environ,
                    LABLIB_PARENT_PID=str(os.getpid()), LABLIB_RANK=str(rank), LABLIB_WORLD_SIZE=str(self.world_size),
-                   LABLIB_THREADS=str(self.threads), LABLIB_BACKEND=self.backend, LABLIB_TIMEOUT=str(self.timeout),
+                   LABLIB_THREADS=str(self.threads), LABLIB_BACKEND=self.backend, LABLIB_DEVICE=self.device, LABLIB_TIMEOUT=str(self.timeout),
                    LABLIB_ADDRESS=self._listener.address, LABLIB_AUTHKEY=self._authkey.hex(),
                    LABLIB_STORE_HOST="127.0.0.1", LABLIB_STORE_PORT=str(self._store.port),
                    PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")

@@ -37,8 +37,8 @@ def _matches(c, kwargs):
     for key, value in kwargs.items():
         if key == "quiet":
             continue
-        if key == "backend":
-            if value != "auto" and value != c.backend:
+        if key in ("backend", "device"):
+            if value != "auto" and value != getattr(c, key):
                 return False
         elif key in ("debug", "job_limit"):  # changed in place, no restart
             setattr(c, key, value)
@@ -50,17 +50,17 @@ def _matches(c, kwargs):
     return True
 
 
-_SPARE: list = []  # the one spare pool: [((size, backend, timeout), Cluster)]
+_SPARE: list = []  # the one spare pool: [((size, backend, timeout, device), Cluster)]
 
 
-def spare(world_size: int, backend: str = "auto", timeout: float = 10.0) -> Cluster:
+def spare(world_size: int, backend: str = "auto", timeout: float = 10.0, device: str = "auto") -> Cluster:
     """A pool of ``world_size`` ranks beside the notebook's, kept for the next caller that needs the same
     (a source's hidden checks ask for 3 or 4 ranks several times in a row, and each new pool costs
     seconds). At most one is kept: asking for another closes it, so a notebook holds at most one idle
     extra pool (each rank holds a few hundred MB)."""
-    key = (world_size, backend, timeout)
+    key = (world_size, backend, timeout, device)
     if _SPARE and (_SPARE[0][0] != key or _SPARE[0][1].closed):
         _SPARE.pop()[1].close()
     if not _SPARE:
-        _SPARE.append((key, Cluster(world_size, backend=backend, timeout=timeout, quiet=True)))
+        _SPARE.append((key, Cluster(world_size, backend=backend, timeout=timeout, quiet=True, device=device)))
     return _SPARE[0][1]

@@ -6,6 +6,7 @@ with a ``Done``. It imports nothing from the notebook side of lablib (plotly, ip
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -108,8 +109,10 @@ class _Rank:
 
         torch.set_num_threads(int(os.environ["LABLIB_THREADS"]))
         self.timeout = datetime.timedelta(seconds=self.timeout_s)
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.rank)
+        if os.environ.get("LABLIB_DEVICE") == "cuda":  # its own GPU under NCCL; else shared round-robin
+            from .backend import gpu_of
+
+            torch.cuda.set_device(gpu_of(self.rank))
         self.store = dist.TCPStore(os.environ["LABLIB_STORE_HOST"], int(os.environ["LABLIB_STORE_PORT"]),
                                    self.world_size, False, timeout=self.timeout)
 
@@ -195,6 +198,19 @@ def describe(exc: BaseException) -> P.Failure:
                      isinstance(exc, KeyboardInterrupt), time.perf_counter_ns())
 
 
+@contextlib.contextmanager
+def _audit():
+    """Under LABLIB_DEVICE_AUDIT=1 (a test's pool): the job runs under the device rule's audit, and what it
+    returns is checked too (device_audit.py)."""
+    from .. import device_audit
+
+    if not device_audit.enabled():
+        yield
+        return
+    with device_audit.Audit():
+        yield
+
+
 def run_job(me: _Rank, job: P.Job) -> P.Done:
     import linecache
 
@@ -209,11 +225,23 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
     try:
         me.ensure_process_group(job.gen, job.debug)
         fn, args, kwargs = P.unship(job.payload)
+        if os.environ.get("LABLIB_DEVICE") == "cuda":  # the tensors a job is given arrive on its device
+            import torch
+            from torch.utils._pytree import tree_map
+
+            from ..comm import to_device
+
+            args, kwargs = tree_map(lambda v: to_device(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         _State.running = True
         try:
-            result = fn(*args, **kwargs)
+            with _audit():
+                result = fn(*args, **kwargs)
         finally:
             _State.running = False
+        if os.environ.get("LABLIB_DEVICE_AUDIT") == "1":
+            from ..device_audit import check_result
+
+            check_result(result)
         value = P.ship(result, to_cpu=True)
         me.check_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the cell

@@ -76,7 +76,7 @@ class FlatLayout:
 
     def flatten(self, tensors, dtype=None) -> torch.Tensor:
         """Copy ``tensors`` (shaped like the parameters) into a new padded flat buffer."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype or tensors[0].dtype)
+        flat = torch.zeros(self.padded_numel, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
         for view, t in zip(self.views(flat), tensors):
             view.copy_(t)
         return flat

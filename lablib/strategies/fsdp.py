@@ -62,7 +62,7 @@ def forward_backward(units: list[Unit], x, y, ctx, unshard=unshard, reshard=resh
             out.backward(grad)
             grad = inp.grad
         full = flat_grad(u)
-        u.grad = torch.empty(u.layout.shard_numel, dtype=full.dtype)
+        u.grad = torch.empty(u.layout.shard_numel, dtype=full.dtype, device=full.device)
         comm.reduce_scatter(u.grad, full, name="reduce_scatter grads")
         u.grad /= ctx.world_size
         reshard(u)
@@ -116,8 +116,9 @@ def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = 
     if optimizer.name != "sgd":
         raise ValueError("compare with SGD: Adam amplifies rounding differences into visible ones")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(model_name)
+    dev = comm.torch_device()
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    model = build_model(model_name).to(dev)
     for unit in model:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -125,7 +126,7 @@ def fsdp2_train(model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = 
     opt = torch.optim.SGD(model.parameters(), lr=optimizer.lr, momentum=optimizer.momentum)
     for step in range(steps):
         opt.zero_grad()  # here, not after step(): the last step's gradients stay to be measured
-        x, y = batch(model_name, step, rank)
+        x, y = (v.to(dev) for v in batch(model_name, step, rank))
         loss_fn(model(x), y).backward()
         opt.step()
     held = storage_bytes(pair for p in model.parameters() for pair in

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..comm import to_device
 from ..memory import held_bytes
 from ..toy import batch, build_model, loss_fn
 from .flat import Unit, flat_grad, setup
@@ -79,14 +80,14 @@ def train(strategy, model_name: str = "mlp", steps: int = 3, optimizer: Optimize
 
     rank, n = dist.get_rank(), dist.get_world_size()
     ctx = Context(rank, n, optimizer)
-    units = setup(build_model(model_name, seed), rank, n, optimizer.init_state, strategy.sharded, strategy.frees_params,
+    units = setup(to_device(build_model(model_name, seed)), rank, n, optimizer.init_state, strategy.sharded, strategy.frees_params,
                   torch.bfloat16 if mixed else torch.float32)
     # Start the steps together (untraced): otherwise the first collective absorbs the ranks' uneven
     # set-up time and looks like slow communication on the timeline.
     dist.barrier()
     losses = []
     for step in range(steps):
-        x, y = batch(model_name, step, rank, seed)
+        x, y = to_device(*batch(model_name, step, rank, seed))
         if mixed:
             x = x.to(torch.bfloat16)
         losses.append(strategy.train_step(units, x, y, ctx).item())
@@ -102,7 +103,7 @@ def gather_full(units: list[Unit], sharded: bool) -> list[torch.Tensor]:
     for u in units:
         full = u.master
         if sharded:
-            full = torch.empty(u.layout.padded_numel, dtype=u.master.dtype)
+            full = torch.empty(u.layout.padded_numel, dtype=u.master.dtype, device=u.master.device)
             comm.all_gather_single(full, u.master.contiguous())
         out.append(full[:u.layout.numel].float().clone())
     return out

@@ -37,12 +37,13 @@ def _torch_schedule(name: str, m: int, v: int, seed: int, width: int, rows: int)
     from torch.distributed import pipelining
 
     r, p = dist.get_rank(), dist.get_world_size()
-    blocks = list(model(width, seed=seed))
-    xs, ys = data(width, rows, m, seed)
+    dev = comm.torch_device()
+    blocks = list(model(width, seed=seed).to(dev))
+    xs, ys = ([t.to(dev) for t in ts] for ts in data(width, rows, m, seed))
     n = p * v
     per = len(blocks) // n
     mods = {s: nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in range(r, n, p)}
-    stages = [pipelining.PipelineStage(mods[s], s, n, torch.device("cpu")) for s in sorted(mods)]
+    stages = [pipelining.PipelineStage(mods[s], s, n, dev) for s in sorted(mods)]
     cls = getattr(pipelining, TORCH[name])
     single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
     schedule = cls(stages[0] if single else stages, m, loss_fn=F.mse_loss)
@@ -70,8 +71,8 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
     r, p = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, v in CHECKED:
-        blocks = list(model(WIDTH, seed=seed or 0))
-        xs, ys = data(WIDTH, ROWS, M, seed or 0)
+        blocks = list(comm.to_device(model(WIDTH, seed=seed or 0)))
+        xs, ys = ([comm.to_device(t) for t in ts] for ts in data(WIDTH, ROWS, M, seed or 0))
         stages = stages_of(r, p, v, blocks, xs, ys)
         # what is judged is held here, out of reach of the executor (which may change the dict and the stages)
         mine = dict(stages)
@@ -98,8 +99,8 @@ def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = N
     each when simulated)."""
     r, p = dist.get_rank(), dist.get_world_size()
     width, per_mb = (32, 4) if cost else (REAL["width"], REAL["rows_per_mb"])
-    blocks = list(model(width))
-    xs, ys = data(width, rows or per_mb * m, m)
+    blocks = list(comm.to_device(model(width)))
+    xs, ys = ([comm.to_device(t) for t in ts] for ts in data(width, rows or per_mb * m, m))
     plan = schedule_fn(p, m, v)[r]
     seconds, busy, stages = [], [], None
     for i in range(repeats + 1):
@@ -112,6 +113,7 @@ def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = N
         stages = stages_of(r, p, v, blocks, xs, ys, cost)
         t0 = time.perf_counter()
         execute_fn(stages, plan)
+        comm.synchronize()
         dist.barrier()
         if i:
             seconds.append(time.perf_counter() - t0)
@@ -132,6 +134,7 @@ def torch_step_job(name: str, m: int, v: int = 1, repeats: int = 3) -> list:
         dist.barrier()
         t0 = time.perf_counter()
         schedule.step(*args, **kwargs)
+        comm.synchronize()
         dist.barrier()
         if i:
             out.append(time.perf_counter() - t0)

@@ -60,7 +60,7 @@ def pre_backward(units, i, ctx):
 def post_backward(units, i, ctx):
     unit = units[i]
     full = unit.full_grad()
-    unit.grad = torch.empty(unit.layout.shard_numel)
+    unit.grad = torch.empty(unit.layout.shard_numel, device=full.device)
     comm.reduce_scatter(unit.grad, full, name="reduce_scatter grads")
     unit.grad /= ctx.world_size
     reshard(unit)
@@ -103,7 +103,7 @@ def prefetch_backward(units, i, ctx):
 def overlap_post_backward(units, i, ctx):
     unit = units[i]
     full = unit.full_grad()
-    unit.grad = torch.empty(unit.layout.shard_numel)
+    unit.grad = torch.empty(unit.layout.shard_numel, device=full.device)
     unit.work = comm.reduce_scatter(unit.grad, full, async_op=True, name="reduce_scatter grads")
     reshard(unit)
 
@@ -247,7 +247,8 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
 
     rank, n = dist.get_rank(), dist.get_world_size()
     ctx = Context(rank, n, optimizer, depth)
-    units = setup(build_model(model_name, seed), rank, n, optimizer.init_state, sharded=True, frees_params=True)
+    units = setup(comm.to_device(build_model(model_name, seed)), rank, n, optimizer.init_state, sharded=True,
+                  frees_params=True)
     model = nn.Sequential(*(u.module for u in units))
     record = Record(units)
     handles = attach(units, ctx, hooks, record)
@@ -259,7 +260,7 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
                     start_recording()
                 record.logging = step == 0  # the first step's moments are logged
                 t = _now()
-                x, y = batch(model_name, step, rank, seed)
+                x, y = comm.to_device(*batch(model_name, step, rank, seed))
                 out = model(x)
                 with span("loss"):
                     loss = loss_fn(out, y)
@@ -282,7 +283,7 @@ def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimiz
                                 "unit.layout.shard_numel")
                         ctx.update(u, u.grad)
                         u.grad = None
-                losses.append(loss.item())
+                losses.append(loss.item())  # waits for the GPU, if there is one
                 if step >= warmup:
                     seconds.append((_now() - t) / 1e9)
     finally:
@@ -313,8 +314,9 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(model_name)
+    dev = comm.torch_device()
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    model = build_model(model_name).to(dev)
     units = list(model)
     for unit in units:
         fully_shard(unit, mesh=mesh)
@@ -330,10 +332,11 @@ def fsdp2_train(model_name: str = "wide8", steps: int = 3, depth: int = 1, warmu
         if step == warmup:
             start_recording()
         t = _now()
-        x, y = batch(model_name, step, dist.get_rank())
+        x, y = (v.to(dev) for v in batch(model_name, step, dist.get_rank()))
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        comm.synchronize()
         if step >= warmup:
             seconds.append((_now() - t) / 1e9)
     steps_end()

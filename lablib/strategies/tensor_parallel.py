@@ -189,11 +189,11 @@ def block_job(fns: Fns, steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
     learner's (or lablib's) functions; recorded after ``warmup`` steps, with a compute span per
     sub-block and pass, cut where the rank waits in a collective. Returns each recorded step's seconds."""
     r, n = _rank()
-    att, ff = wide_block(seed)
+    att, ff = comm.to_device(*wide_block(seed))
     heads = WIDE["heads"] // n
     a = leaves(*shard_qkv(att.qkv.weight, att.qkv.bias, r, n), *shard_row(att.proj.weight, att.proj.bias, r, n))
     m = leaves(*shard_column(ff.fc1.weight, ff.fc1.bias, r, n), *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
-    x = torch.randn(WIDE["batch"], WIDE["tokens"], WIDE["d"], generator=torch.Generator().manual_seed(seed))
+    x = comm.to_device(torch.randn(WIDE["batch"], WIDE["tokens"], WIDE["d"], generator=torch.Generator().manual_seed(seed)))
     seconds = []
     for step in range(warmup + steps):
         if step == warmup:
@@ -206,6 +206,7 @@ def block_job(fns: Fns, steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
         marks["B mlp"] = _now()
         h.register_hook(lambda grad: marks.setdefault("B attn", _now()) and None)  # h's gradient is whole: mlp's done
         out.sum().backward()
+        comm.synchronize()
         end = _now()
         if step >= warmup and RECORDER.spans is not None:
             names = list(marks)
@@ -239,8 +240,8 @@ def activation_bytes(mode: str = "tp", fns: Fns = Fns(), seed: int = 0) -> int:
     tensor-parallel ("tp": LayerNorm and residual on the whole sequence, ``fns.mlp``) or with sequence
     parallelism ("sp": on this rank's part, ``fns.sp``)."""
     r, n = _rank()
-    _, ff = wide_block(seed)
-    x = torch.randn(WIDE["tokens"], WIDE["batch"], WIDE["d"], generator=torch.Generator().manual_seed(seed))
+    _, ff = comm.to_device(*wide_block(seed))
+    x = comm.to_device(torch.randn(WIDE["tokens"], WIDE["batch"], WIDE["d"], generator=torch.Generator().manual_seed(seed)))
     weights = leaves(ff.ln.weight, ff.ln.bias, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
                      *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
     if mode == "sp":

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..comm import to_device
 from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward
 from .prefetch import start_recording, step_times
 from .tensor_parallel import WIDE, Fns, _rank, block_job, leaves, shard_column, shard_row, wide_block
@@ -40,8 +41,8 @@ def _grads(*ts):
 def split_job(shard_column, shard_row, row_linear, seed=None) -> dict:
     """Task 4.1: fc1 split by columns (forward, and its weights' gradients), fc2 by rows (forward)."""
     r, n = _rank()
-    ff, _ = layers(seed or 0)
-    x, dy, _ = inputs(seed or 0, B, T, WIDTH)
+    ff, _ = to_device(*layers(seed or 0))
+    x, dy, _ = to_device(*inputs(seed or 0, B, T, WIDTH))
     w1, b1 = shard_column(ff.fc1.weight.detach(), ff.fc1.bias.detach(), r, n)
     w2, b2 = shard_row(ff.fc2.weight.detach(), ff.fc2.bias.detach(), r, n)
     out = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
@@ -73,8 +74,8 @@ def _run(fn, args, grad_out, leaves_):
 def mlp_job(tp_mlp, seed=None, dtensor=True) -> dict:
     """Task 4.2: the MLP (fc1, GELU, fc2) column- then row-parallel, forward and backward."""
     r, n = _rank()
-    ff, _ = layers(seed or 0)
-    x, _, dy = inputs(seed or 0, B, T, WIDTH)
+    ff, _ = to_device(*layers(seed or 0))
+    x, _, dy = to_device(*inputs(seed or 0, B, T, WIDTH))
     params = leaves(x, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n), *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
     out = _run(tp_mlp, params, dy, params)
     if dtensor:
@@ -85,8 +86,8 @@ def mlp_job(tp_mlp, seed=None, dtensor=True) -> dict:
 def attention_job(shard_qkv, tp_attention, seed=None, dtensor=True) -> dict:
     """Task 4.3: attention split by heads, forward and backward."""
     r, n = _rank()
-    _, att = layers(seed or 0)
-    x, _, dy = inputs(seed or 0, B, T, WIDTH)
+    _, att = to_device(*layers(seed or 0))
+    x, _, dy = to_device(*inputs(seed or 0, B, T, WIDTH))
     wqkv, bqkv = shard_qkv(att.qkv.weight.detach(), att.qkv.bias.detach(), r, n)
     out = {"wqkv": wqkv, "bqkv": bqkv}
     rows = 3 * WIDTH // n
@@ -103,8 +104,8 @@ def attention_job(shard_qkv, tp_attention, seed=None, dtensor=True) -> dict:
 def sp_job(sp_feed_forward, seed=None, dtensor=True) -> dict:
     """Task 4.4: the feed-forward sub-block with sequence parallelism; (T, B, d) split along T."""
     r, n = _rank()
-    ff, _ = layers(seed or 0)
-    x, _, dy = inputs(seed or 0, T, B, WIDTH)
+    ff, _ = to_device(*layers(seed or 0))
+    x, _, dy = to_device(*inputs(seed or 0, T, B, WIDTH))
     params = leaves(x.chunk(n)[r], ff.ln.weight, ff.ln.bias, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
                     *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
     out = _run(sp_feed_forward, params, dy.chunk(n)[r], params)
@@ -125,7 +126,7 @@ def mesh():
     n = dist.get_world_size()
     if n not in _MESH:
         from torch.distributed.device_mesh import init_device_mesh
-        _MESH[n] = init_device_mesh(comm.device().type, (n,))
+        _MESH[n] = init_device_mesh(comm.torch_device().type, (n,))
     return _MESH[n]
 
 
@@ -164,7 +165,9 @@ class SplitQKV(nn.Module):
 
 
 def _dtensor_run(model, x, dy, names):
-    x = x.detach().clone().requires_grad_()
+    """DTensor's run on ``comm.torch_device()`` (this rank's GPU under NCCL, else the CPU)."""
+    dev = comm.torch_device()
+    model, x, dy = model.to(dev), x.detach().to(dev).clone().requires_grad_(), dy.to(dev)
     y = model(x)
     (y * dy).sum().backward()
     grads = [getattr(model.get_submodule(m), p).grad for m, p in names]
@@ -181,13 +184,13 @@ def _plain(t):
 
 def dtensor_mlp(ff, x, dy):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    model = parallelize_module(MLP(ff), mesh(), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    model = parallelize_module(MLP(ff).to(comm.torch_device()), mesh(), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     return _dtensor_run(model, x, dy, [("fc1", "weight"), ("fc1", "bias"), ("fc2", "weight"), ("fc2", "bias")])
 
 
 def dtensor_attention(att, x, dy):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    model = parallelize_module(SplitQKV(att), mesh(), {"q": ColwiseParallel(), "k": ColwiseParallel(),
+    model = parallelize_module(SplitQKV(att).to(comm.torch_device()), mesh(), {"q": ColwiseParallel(), "k": ColwiseParallel(),
                                                        "v": ColwiseParallel(), "proj": RowwiseParallel()})
     return _dtensor_run(model, x, dy, [("q", "weight"), ("k", "weight"), ("v", "weight"), ("proj", "weight")])
 
@@ -201,7 +204,7 @@ def dtensor_sp(ff, x, dy):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
     r, n = _rank()
-    model = parallelize_module(copy.deepcopy(ff), mesh(), {"ln": SequenceParallel(sequence_dim=0),
+    model = parallelize_module(copy.deepcopy(ff).to(comm.torch_device()), mesh(), {"ln": SequenceParallel(sequence_dim=0),
                                                             "fc1": ColwiseParallel(input_layouts=Shard(0)),
                                                             "fc2": RowwiseParallel(output_layouts=Shard(0))})
     out = _dtensor_run(model, x.chunk(n)[r], dy.chunk(n)[r], [("ln", "weight"), ("fc1", "weight")])
@@ -238,15 +241,17 @@ def dtensor_block_job(steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
 
     plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
             "ff.fc1": ColwiseParallel(), "ff.fc2": RowwiseParallel()}
-    model = parallelize_module(Block(), mesh(), plan)
+    dev = comm.torch_device()
+    model = parallelize_module(Block().to(dev), mesh(), plan)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(WIDE["batch"], WIDE["tokens"], d, generator=g)
+    x = torch.randn(WIDE["batch"], WIDE["tokens"], d, generator=g).to(dev)
     seconds = []
     for step in range(warmup + steps):
         if step == warmup:
             start_recording()
         t0 = time.perf_counter()
         model(x.clone().requires_grad_()).sum().backward()
+        comm.synchronize()
         seconds.append(time.perf_counter() - t0)
     return {"seconds": seconds[warmup:]}
 
@@ -262,7 +267,7 @@ def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int | None = None) -> d
     steps = steps or (2 if quick() else 5)
     out = {}
     for n in degrees:
-        pool = cluster if n == cluster.world_size else spare(n, cluster.backend)
+        pool = cluster if n == cluster.world_size else spare(n, "gloo" if cluster.backend == "gloo" else "auto", device=cluster.device)
         dtensor = step_times(pool.run(dtensor_block_job, steps))
         times = step_times(pool.run(block_job, fns, steps))
         out[n] = {"step": statistics.median(times), "range": (min(times), max(times)),

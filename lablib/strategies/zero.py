@@ -44,7 +44,7 @@ def zero1_step(unit: Unit, ctx) -> None:
 def zero2_step(unit: Unit, ctx) -> None:
     """ZeRO-2: reduce-scatter leaves each rank the summed gradient of its shard only; the full gradient
     is dropped. Then as ZeRO-1: update the shard, gather the parameters."""
-    shard_grad = torch.empty(unit.layout.shard_numel, dtype=unit.grad.dtype)
+    shard_grad = torch.empty(unit.layout.shard_numel, dtype=unit.grad.dtype, device=unit.grad.device)
     comm.reduce_scatter(shard_grad, unit.grad, name="reduce_scatter grads")
     unit.grad = shard_grad / ctx.world_size
     ctx.update(unit, unit.grad)

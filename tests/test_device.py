@@ -1,0 +1,158 @@
+"""The device rule (lablib/pool/backend.py): where each rank computes, decided in one place, and every lab's
+rank jobs computing there. Without a GPU the rule is held by lablib/device_audit.py: the jobs run under a
+mode that fails on a tensor that never went through the rule (a factory with no device, a model built and
+never moved), the bug a GPU would find."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import lablib
+from lablib import comm
+from lablib.checks import lab00, lab01, lab02, lab03, lab04, lab05
+from lablib.device_audit import Audit, DeviceRuleBroken, check_result
+from lablib.timeline import RECORDER
+from lablib.pool import backend
+from lablib.strategies import fsdp, pipeline as pp, pp_reference, prefetch, ring, tensor_parallel as tp
+from lablib.strategies import schedules as sc
+from lablib.strategies import tp_reference, zero
+
+
+@pytest.mark.parametrize("gpus, world_size, device, want", [
+    (0, 2, "auto", ("cpu", "gloo", "Gloo on CPU (no GPU found)")),
+    (1, 2, "auto", ("cuda", "gloo", "2 ranks share 1 GPU(s) for compute")),
+    (1, 1, "auto", ("cuda", "nccl", "NCCL on 1 GPU(s), one per rank")),
+    (4, 2, "auto", ("cuda", "nccl", "NCCL on 2 GPU(s), one per rank")),
+    (4, 2, "cpu", ("cpu", "gloo", "Gloo on CPU (device='cpu')")),
+])
+def test_one_rule_decides_where_ranks_compute_and_how_they_talk(monkeypatch, gpus, world_size, device, want):
+    monkeypatch.setattr(backend, "_gpu_count", lambda: gpus)
+    b = backend.resolve_backend("auto", world_size, device)
+    d = backend.resolve_device(device, b)
+    assert (d, b) == want[:2]
+    assert backend.describe_backend(b, world_size, 1, d).startswith(want[2])
+    assert [backend.gpu_of(r) for r in range(3)] == ([r % gpus for r in range(3)] if gpus else [0, 0, 0])
+
+
+def test_a_device_that_cannot_be_had_is_refused(monkeypatch):
+    monkeypatch.setattr(backend, "_gpu_count", lambda: 0)
+    with pytest.raises(ValueError, match="device='cuda' but this machine has no GPU"):
+        backend.resolve_device("cuda")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        backend.resolve_device("gpu")
+    monkeypatch.setattr(backend, "_gpu_count", lambda: 1)
+    with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank: world_size=2"):
+        backend.resolve_backend("nccl", 2)
+    with pytest.raises(ValueError, match="backend='nccl' runs on GPUs"):
+        backend.resolve_backend("nccl", 1, "cpu")
+
+
+def test_the_audit_tells_a_tensor_made_on_the_rule_from_one_that_never_went_through_it():
+    with Audit():
+        model = torch.nn.Linear(3, 4)
+        x = torch.randn(2, 3)                       # made on the CPU from a seed...
+        with pytest.raises(DeviceRuleBroken, match="linear computed with a tensor made without a device"):
+            model(comm.to_device(x))                # ...the data moved, the model not
+        model = comm.to_device(model)
+        y = model(comm.to_device(x))
+        y.sum().backward()
+        assert model.weight.grad is not None        # gradients, made by autograd, are on the rule
+        with pytest.raises(DeviceRuleBroken, match="add computed with a tensor made without a device"):
+            y + torch.zeros(4)
+        y + torch.zeros(4, device=comm.device()) + torch.zeros_like(y)
+        check_result({"ok": [y.detach()]})
+        with pytest.raises(DeviceRuleBroken, match="the job returned a tensor"):
+            check_result([torch.ones(2) * 3])
+
+
+@pytest.fixture(scope="module")
+def audited():
+    """A pool whose ranks run every job under the audit (the variable is set only while they start: the
+    other pools of the session stay as they are)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("LABLIB_DEVICE_AUDIT", "1")
+        c = lablib.Cluster(2, backend="gloo", timeout=20, quiet=True)
+    with c:
+        yield c
+
+
+def _mean(x):
+    lablib.all_reduce(x)
+    return x / dist.get_world_size()
+
+
+def _off_rule():
+    x = torch.ones(4)  # no device: on a GPU, a CPU tensor
+    lablib.all_reduce(x)
+
+
+def test_a_job_that_breaks_the_rule_fails_under_the_audit(audited):
+    with pytest.raises(lablib.RankError, match="lablib.all_reduce got a tensor made without a device"):
+        audited.run(_off_rule)
+
+
+# Every rank check, with lablib's own functions, through the very jobs that run a learner's
+RANK_CHECKS = [
+    (lab00.check_mean_across_ranks, (_mean,)),
+    (lab01.check_zero1, (zero.zero1_step,)),
+    (lab01.check_zero2, (zero.zero2_step,)),
+    (lab01.check_zero3, (fsdp.unshard, fsdp.reshard)),
+    (lab02.check_ring_all_gather, (ring.ring_all_gather,)),
+    (lab02.check_ring_reduce_scatter, (ring.ring_reduce_scatter,)),
+    (lab02.check_ring_all_reduce, (ring.ring_all_reduce,)),
+    (lab03.check_hooks, tuple(getattr(prefetch.PLAIN, k) for k in ("pre_forward", "post_forward", "pre_backward",
+                                                                    "post_backward"))),
+    (lab03.check_prefetch, (prefetch.prefetch_forward, prefetch.keep_last_post_forward, prefetch.prefetch_backward)),
+    (lab03.check_overlap, (prefetch.overlap_post_backward, prefetch.overlap_finish)),
+    (lab04.check_split, (tp.shard_column, tp.shard_row, tp.row_linear)),
+    (lab04.check_mlp, (tp.mlp,)),
+    (lab04.check_attention, (tp.shard_qkv, tp.attention)),
+    (lab04.check_sp, (tp.sp_feed_forward,)),
+    (lab05.check_execute, (pp.execute,)),
+]
+
+
+@pytest.mark.parametrize("check, fns", RANK_CHECKS, ids=[c.task for c, _ in RANK_CHECKS])
+def test_every_labs_rank_jobs_keep_the_device_rule(audited, check, fns):
+    check.judge(check.collect(fns, audited, None), audited.world_size, None)
+
+
+def test_the_labs_measurements_keep_the_device_rule(audited):
+    audited.run(prefetch.train, prefetch.PREFETCH, "wide8", 1, depth=1)
+    audited.run(prefetch.fsdp2_train, "mlp", 1, 1)
+    audited.run(fsdp.fsdp2_train, "mlp", 1)
+    audited.run(tp.block_job, tp.Fns(), 1, 0)
+    audited.run(tp.activation_bytes, "sp")
+    audited.run(tp_reference.dtensor_block_job, 1, 0)
+    audited.run(pp_reference.step_job, pp.execute, lambda p, m, v=1: sc.one_f_one_b(p, m), 2, 1, None, 1)
+    audited.run(pp_reference.torch_step_job, "1f1b", 2, 1, 1)
+
+
+def _staged_collectives():
+    """Every lablib collective through host copies (as CUDA tensors go over Gloo), sync and async."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    comm.STAGE_CPU[0] = True
+    try:
+        dev = lablib.device()
+        x = torch.full((4,), float(r + 1), device=dev)
+        lablib.all_reduce(x)
+        gathered = torch.empty(2 * n, device=dev)
+        lablib.all_gather(gathered, torch.full((2,), float(r), device=dev), async_op=True).wait()
+        mine = torch.empty(2, device=dev)
+        lablib.reduce_scatter(mine, torch.ones(2 * n, device=dev) * (r + 1))
+        got = torch.zeros(3, device=dev)
+        works = [lablib.isend(torch.full((3,), float(r), device=dev), (r + 1) % n), lablib.irecv(got, (r - 1) % n)]
+        for w in works:
+            w.wait()
+    finally:
+        comm.STAGE_CPU[0] = False
+    return x.tolist(), gathered.tolist(), mine.tolist(), got.tolist(), sorted({s.name for s in RECORDER.spans})
+
+
+def test_collectives_staged_through_host_memory_give_the_same_results(cluster):
+    n = cluster.world_size
+    for r, (x, gathered, mine, got, names) in enumerate(cluster.run(_staged_collectives)):
+        assert x == [n * (n + 1) / 2] * 4
+        assert gathered == [float(k) for k in range(n) for _ in range(2)]
+        assert mine == [n * (n + 1) / 2] * 2
+        assert got == [float((r - 1) % n)] * 3
+        assert {"copy to host", "copy from host"} <= set(names), names  # each staging copy on the timeline
