@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .device_audit import check_collective
 from .device_audit import enabled as _audited
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
-from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until
+from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back
 
 # torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
 # loops). PyTorch 2.13 renamed them and warns on the old names.
@@ -240,13 +240,6 @@ def _host_copy(t, read: bool):
         with span("copy to host", "comm", bytes=t.nbytes, op="memcpy"):
             host.copy_(t)
     return host
-
-
-def copy_back(pairs) -> None:
-    """After a staged collective: each host result copied into its GPU tensor."""
-    for host, dev in pairs:
-        with span("copy from host", "comm", bytes=host.nbytes, op="memcpy"):
-            dev.copy_(host)
 
 
 def _staged(op, tensor, target):

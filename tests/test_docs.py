@@ -116,7 +116,7 @@ def test_every_command_a_page_names_exists(page):
 
 
 def test_a_command_that_does_not_exist_is_caught():
-    text = "Run `./lab.sh bench --fastest` or `lablib grade subs --jobs 2` or `./lab.sh frobnicate`."
+    text = "Run `./lab.sh bench --fastest` or `lablib grade subs --parallel 2` or `./lab.sh frobnicate`."
     found = [p for program, words in commands(text) for p in problems(program, words)]
-    assert found == ["./lab.sh bench --fastest: no such option", "lablib grade --jobs: no such option",
+    assert found == ["./lab.sh bench --fastest: no such option", "lablib grade --parallel: no such option",
                      "./lab.sh frobnicate: lab.sh has no such command"]
