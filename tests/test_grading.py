@@ -414,8 +414,8 @@ def test_a_time_limit_keeps_what_was_earned(tmp_path):
     (tmp_path / "subs" / "slow").mkdir(parents=True)
     nb = _learner(released, {**OWN, 6: "    while True:\n        pass"})
     (tmp_path / "subs" / "slow" / f"{LAB}.ipynb").write_text(json.dumps(nb))
-    # 30 s: the two checks before the endless one finish in a few seconds (rank forks), even on a busy machine
-    results = grade(tmp_path / "subs", tmp_path / "release", tmp_path / "gb.csv", check_timeout=600, time_limit=30)
+    # 20 s: the two checks before the endless one finish in a few seconds (rank forks), even on a busy machine
+    results = grade(tmp_path / "subs", tmp_path / "release", tmp_path / "gb.csv", check_timeout=600, time_limit=20)
     items = {it.item: it for it in results[0].items}
     assert items["check-0.1"].status == items["check-1.1"].status == "passed"
     assert items["check-2.1"].status == "not run" and "timed out" in items["check-2.1"].detail
@@ -480,7 +480,7 @@ def test_the_course_itself(tmp_path):
         (tmp_path / "subs" / learner).mkdir(parents=True)
         for path in SOURCES.glob("*.ipynb"):
             (tmp_path / "subs" / learner / path.name).write_bytes((folder / path.name).read_bytes())
-    results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES)
+    results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES, jobs=2)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
     assert len(checks) == 2 * 21
     for (learner, item), it in checks.items():
