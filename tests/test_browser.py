@@ -75,10 +75,21 @@ def lab(tmp_path_factory):
 
 
 def _run_all_and_wait(page, score_text, restart=False):
-    page.click("text=Kernel" if restart else "text=Run", timeout=30_000)
-    page.click("text=Restart Kernel and Run All Cells…" if restart else "text=Run All Cells")
-    if restart:
-        page.click(".jp-Dialog button.jp-mod-accept")
+    first = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    for attempt in range(2):  # a Run All sent while JupyterLab is still connecting the kernel can be lost
+        page.click("text=Kernel" if restart else "text=Run", timeout=30_000)
+        page.click("text=Restart Kernel and Run All Cells…" if restart else "text=Run All Cells")
+        if restart:
+            page.click(".jp-Dialog button.jp-mod-accept")
+            break  # the cells keep their counts from the run before: the score says whether it ran
+        try:  # the first cell got an execution count ("[1]:"), or is running ("[*]:")
+            page.wait_for_function("el => /\\[(\\*|\\d+)\\]/.test(el.textContent)", arg=first.element_handle(),
+                                   timeout=60_000)
+            break
+        except playwright.TimeoutError:
+            if attempt:
+                raise
+            print("browser test: Run All did not start the cells; sent again")
     page.wait_for_selector(f"text={score_text}", timeout=180_000)
 
 
