@@ -114,6 +114,17 @@ class Audit(TorchFunctionMode):
         return out
 
 
+def audited(fn, args, kwargs):
+    """``fn(*args, **kwargs)``: as it is, or under LABLIB_DEVICE_AUDIT=1 (a test's pool) under the audit, and
+    with what it returns checked too."""
+    if not enabled():
+        return fn(*args, **kwargs)
+    with Audit():
+        result = fn(*args, **kwargs)
+    check_result(result)
+    return result
+
+
 def check_collective(tensor, what: str) -> None:
     """Under the audit: a collective's tensor must be on the rule (on a GPU it would be a CPU tensor)."""
     if enabled() and off(tensor):

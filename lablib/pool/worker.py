@@ -6,7 +6,6 @@ with a ``Done``. It imports nothing from the notebook side of lablib (plotly, ip
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -15,7 +14,6 @@ import time
 
 from . import protocol as P
 
-_WORK_FILE = os.path.join("lablib", "work.py")  # lablib's asynchronous handles
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -180,10 +178,7 @@ def describe(exc: BaseException) -> P.Failure:
     te = traceback.TracebackException(type(exc), exc, tb)
     # The collective that failed, e.g. "all_reduce", names the problem better than Gloo's text.
     op = next((f.name for f in reversed(te.stack) if f.filename.endswith("distributed_c10d.py")), None)
-    while op is None and tb is not None:  # else the handle it waited on: lablib's Work knows its op (a recv's
-        frame, tb = tb.tb_frame, tb.tb_next  # error is raised again in wait(), from the thread that watched it)
-        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith(_WORK_FILE):
-            op = getattr(frame.f_locals.get("self"), "op", None)
+    op = op or getattr(exc, "lablib_op", None)  # else the one whose handle it waited on (work.py names it)
     # c10d_logger.py only wraps every collective: its frames are noise to a learner.
     te.stack = traceback.StackSummary.from_list([f for f in te.stack if not f.filename.endswith("c10d_logger.py")])
     try:
@@ -198,24 +193,12 @@ def describe(exc: BaseException) -> P.Failure:
                      isinstance(exc, KeyboardInterrupt), time.perf_counter_ns())
 
 
-@contextlib.contextmanager
-def _audit():
-    """Under LABLIB_DEVICE_AUDIT=1 (a test's pool): the job runs under the device rule's audit, and what it
-    returns is checked too (device_audit.py)."""
-    from .. import device_audit
-
-    if not device_audit.enabled():
-        yield
-        return
-    with device_audit.Audit():
-        yield
-
-
 def run_job(me: _Rank, job: P.Job) -> P.Done:
     import linecache
 
     import torch.distributed as dist
 
+    from ..device_audit import audited
     from ..timeline import RECORDER
 
     for filename, lines in job.sources.items():  # so tracebacks show notebook cell source
@@ -234,14 +217,9 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
             args, kwargs = tree_map(lambda v: to_device(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         _State.running = True
         try:
-            with _audit():
-                result = fn(*args, **kwargs)
+            result = audited(fn, args, kwargs)
         finally:
             _State.running = False
-        if os.environ.get("LABLIB_DEVICE_AUDIT") == "1":
-            from ..device_audit import check_result
-
-            check_result(result)
         value = P.ship(result, to_cpu=True)
         me.check_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the cell
