@@ -68,6 +68,8 @@ def main(argv=None) -> int:
                      help=f"seconds for one check (default {CHECK_TIMEOUT:g})")
     grd.add_argument("--time-limit", type=float, default=TIME_LIMIT,
                      help=f"seconds for one learner, every lab (default {TIME_LIMIT:g})")
+    grd.add_argument("--jobs", type=int, default=1, help="learners graded at once, each in its own box (default 1; "
+                                                         "2 or more overlaps what a learner's checks wait for)")
     args = parser.parse_args(argv)
     if args.command == "release":
         return _release(args)
@@ -144,7 +146,7 @@ def _grade(args) -> int:
 
     try:
         results = grade(args.submissions, args.release, args.out, args.source, args.check_timeout, args.time_limit,
-                        args.seed, args.banks)
+                        args.seed, args.banks, args.jobs)
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"grade: {e}", file=sys.stderr)
         return 2

@@ -202,3 +202,23 @@ def test_without_fork_ranks_start_from_scratch(monkeypatch):
     monkeypatch.setenv("LABLIB_FORK", "0")
     with Cluster(1, quiet=True) as c:
         assert c.run(_parent_pid) == [os.getpid()]
+
+
+def test_a_rank_that_says_hello_before_its_start_returns_is_greeted(monkeypatch):
+    """A forked rank is ready in milliseconds: on a busy machine it connected before the thread that
+    started it had recorded it, was turned away and exited 0 ("rank 1 exited while starting"). The
+    delay after each start makes that order certain."""
+    import importlib
+    import time
+
+    cluster_module = importlib.import_module("lablib.pool.cluster")
+    start = cluster_module.zygote.start
+
+    def slow_start(*args, **kwargs):
+        proc = start(*args, **kwargs)
+        time.sleep(0.5)
+        return proc
+
+    monkeypatch.setattr(cluster_module.zygote, "start", slow_start)
+    with Cluster(2, quiet=True) as c:
+        assert c.run(lambda: dist.get_rank()) == [0, 1]

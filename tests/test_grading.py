@@ -248,7 +248,7 @@ def course(tmp_path_factory):
     (root / "tmp").mkdir()  # the boxes' folders go here, so the test finds what this run started
     proc = subprocess.run([sys.executable, "-m", "lablib", "grade", str(subs), "--release", str(root / "release"),
                            "--source", str(root / "source"), "--out", str(out), "--check-timeout",
-                           str(CHECK_TIMEOUT), "--seed", "42"], capture_output=True, text=True, timeout=1200,
+                           str(CHECK_TIMEOUT), "--seed", "42", "--jobs", "2"], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TMPDIR": str(root / "tmp")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = list(csv.DictReader(open(out)))
@@ -480,7 +480,7 @@ def test_the_course_itself(tmp_path):
         (tmp_path / "subs" / learner).mkdir(parents=True)
         for path in SOURCES.glob("*.ipynb"):
             (tmp_path / "subs" / learner / path.name).write_bytes((folder / path.name).read_bytes())
-    results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES)
+    results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES, jobs=2)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
     assert len(checks) == 2 * 21
     for (learner, item), it in checks.items():

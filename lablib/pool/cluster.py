@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import glob
 import os
 import queue
@@ -99,6 +100,7 @@ class Cluster:
         self._timeline: Timeline | None = None
         self._closed = False
         self._authkey = secrets.token_bytes(16)
+        self._spawning = threading.Lock()  # from a rank's start until it is recorded: _greet waits for it
         _remove_stale_folders()
         self._tmpdir = tempfile.TemporaryDirectory(prefix=f"lablib-{os.getpid()}-")
         self._listener = Listener(address=None if sys.platform == "win32" else
@@ -205,10 +207,8 @@ class Cluster:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         state = "closed" if self._closed else "running"
@@ -223,8 +223,9 @@ class Cluster:
                    LABLIB_ADDRESS=self._listener.address, LABLIB_AUTHKEY=self._authkey.hex(),
                    LABLIB_STORE_HOST="127.0.0.1", LABLIB_STORE_PORT=str(self._store.port),
                    PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")
-        proc = zygote.start(env, os.getcwd(), list(dict.fromkeys(path)))
-        w = self._workers[rank] = _Worker(rank, proc)
+        with self._spawning:
+            proc = zygote.start(env, os.getcwd(), list(dict.fromkeys(path)))
+            w = self._workers[rank] = _Worker(rank, proc)
         for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             reader = threading.Thread(target=self._pipe_loop, args=(w, stream, pipe), daemon=True,
                                       name=f"lablib-rank{rank}-{stream}")
@@ -246,7 +247,8 @@ class Cluster:
     def _greet(self, conn):
         try:
             hello = P.decode(conn.recv_bytes())
-            w = self._workers.get(hello.rank) if isinstance(hello, P.Hello) else None
+            with self._spawning:
+                w = self._workers.get(hello.rank) if isinstance(hello, P.Hello) else None
             if w is None or w.proc.pid != hello.pid:
                 conn.close()
                 return
@@ -354,10 +356,8 @@ class Cluster:
 
     def _interrupt(self, ranks):
         for rank in ranks:
-            try:
+            with contextlib.suppress(ProcessLookupError, OSError):
                 self._workers[rank].proc.send_signal(signal.SIGINT)
-            except (ProcessLookupError, OSError):
-                pass
 
     def _kill(self, rank):
         w = self._workers[rank]
@@ -393,7 +393,5 @@ def _remove_stale_folders():
 @atexit.register
 def _close_all():
     for c in list(_LIVE):
-        try:
+        with contextlib.suppress(Exception):
             c.close()
-        except Exception:
-            pass
