@@ -134,7 +134,7 @@ def test_a_rule_on_dist_holds_however_torch_distributed_is_spelled(source):
 @pytest.mark.parametrize("source, found", [
     ("def f(u, lib=lablib):\n    lib.strategies.prefetch.pre_forward(u, 0, None)", "uses the module lablib as a value"),
     ("def f(u):\n    for d in [dist]:\n        d.all_gather_into_tensor(u, u)", "uses the module dist as a value"),
-    ("def f(u):\n    (m := lablib).all_gather(u, u)", "uses the module lablib as a value"),
+    ("def f(u):\n    (m := lablib).all_gather(u, u)", "uses an assignment expression (:=)"),
     ("def f(u):\n    torch.serialization.pickle.loads(b'')", "reaches the module pickle"),
     ("def f(u):\n    from typing import get_type_hints", "exercise code may import only"),
     ("def f(u):\n    return type(u)", "uses type"),

@@ -1,6 +1,7 @@
 """What exercise code may use, checked by reading it (``ast``), in the notebook and when grading.
 
-An exercise is the learner's own code: it uses torch (``torch``, ``dist``, ``F``), ``math``, lablib's public
+First the constructs it is written with, against an allow-list (constructs.py); then the names. An
+exercise is the learner's own code: it uses torch (``torch``, ``dist``, ``F``), ``math``, lablib's public
 helpers (``lablib.all_reduce``, ``lablib.send``, ...) and the learner's own functions. It may not
 import other modules, reach into private attributes or lablib's internals (where the answers live),
 change library objects (``torch.allclose = ...``), or call the builtins that do any of that by name
@@ -14,6 +15,8 @@ import builtins
 import importlib
 import inspect
 import textwrap
+
+from .constructs import construct
 
 GLOBALS = {"torch", "dist", "F", "math", "lablib"}  # what every exercise namespace holds
 _HELD = {"F": "torch.nn.functional"}  # the module a global name holds, where it is not its own name
@@ -162,30 +165,39 @@ def _torch_attr(name: str):
 def _aliases(tree, outer: dict[str, str] | None = None) -> dict[str, str]:
     """{name: the library module it holds}: torch, dist, F, math, lablib, the names ``outer`` gives (the
     modules the learner's other cells bound), and every name bound here to one of them or to an
-    attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``)."""
+    attribute of one (``import lablib as L``, ``L = lablib``, ``nn = torch.nn``). Linear in the code's
+    size: an assignment is read again only when the name it reads from gets a module."""
     out = {name: _HELD.get(name, name) for name in GLOBALS} | dict(outer or {})
-    changed = True
-    while changed:
-        changed = False
-        for node in ast.walk(tree):
-            pairs = []
-            if isinstance(node, ast.Import):
-                pairs = [((a.asname or a.name).split(".")[0],
-                          "dist" if a.asname and a.name == "torch.distributed" else a.name.split(".")[0])
-                         for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                base = "dist" if node.module == "torch.distributed" else node.module.split(".")[0]
-                pairs = [(a.asname or a.name, "dist" if f"{node.module}.{a.name}" == "torch.distributed" else base)
-                         for a in node.names]
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and _is_path(node.value):
-                root = _root(node.value)
-                if root in out:
-                    held = "dist" if _module_of(node.value, out) == "dist" else out[root]
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    pairs = [(n.id, held) for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-            for name, module in pairs:
-                if out.get(name) != module:
-                    out[name], changed = module, True
+    readers: dict[str, list] = {}  # name -> the assignments whose value is a path rooted at it
+    todo = []
+    for node in ast.walk(tree):
+        pairs = []
+        if isinstance(node, ast.Import):
+            pairs = [((a.asname or a.name).split(".")[0],
+                      "dist" if a.asname and a.name == "torch.distributed" else a.name.split(".")[0])
+                     for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = "dist" if node.module == "torch.distributed" else node.module.split(".")[0]
+            pairs = [(a.asname or a.name, "dist" if f"{node.module}.{a.name}" == "torch.distributed" else base)
+                     for a in node.names]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None \
+                and _is_path(node.value):
+            readers.setdefault(_root(node.value), []).append(node)
+        for name, module in pairs:
+            out[name] = module
+            todo.append(name)
+    todo += [name for name in readers if name in out]
+    changes: dict[str, int] = {}
+    while todo:
+        for node in readers.get(todo.pop(), ()):
+            root = _root(node.value)
+            held = "dist" if _module_of(node.value, out) == "dist" else out[root]
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                # a name bound to two modules settles on one: it may change a few times, not forever
+                if out.get(name) != held and changes.get(name, 0) < 4:
+                    out[name], changes[name] = held, changes.get(name, 0) + 1
+                    todo.append(name)
     return out
 
 
@@ -197,7 +209,7 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
     ``defined``: names other exercise cells define (the learner's own helpers); ``outer``: those of them
     that hold library modules, and which (``from torch import distributed as D`` in another cell)."""
     forbidden = forbidden or {}
-    bound = bound_names(tree) | set(defined)
+    bound = bound_names(tree)  # with ``defined``: the learner's own names (not copied: it may be large)
     modules = _aliases(tree, outer)  # names that hold library modules here, and which
     out = []
 
@@ -211,6 +223,17 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
     bases = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     bases |= {id(n.value) for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
               and all(isinstance(t, ast.Name) for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))}
+    stack = [tree]  # first the constructs: code written with one it may not use is read no further
+    while stack:
+        node = stack.pop()
+        what = construct(node)
+        if what is None:
+            stack += ast.iter_child_nodes(node)
+        else:
+            add(node, f"uses {what}, which exercise code may not be written with (the exercises need only "
+                      "functions, classes, loops, if, with, comprehensions and lambdas)")
+    if out:
+        return out
     for node in ast.walk(tree):
         name = _binds(node)
         if name is not None and (name in _RESERVED or (name.startswith("__") and name.endswith("__"))):
@@ -249,9 +272,10 @@ def problems(tree: ast.AST, forbidden: dict[str, str] | None = None, defined: se
                 if why or alias.name in DENIED:
                     add(node, f"imports {alias.name}: {why or 'an exercise does not need it'}")
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            if node.id in forbidden and node.id not in bound:
+            mine = node.id in bound or node.id in defined
+            if node.id in forbidden and not mine:
                 add(node, f"uses {node.id}: {forbidden[node.id]}")
-            elif node.id not in bound and node.id not in GLOBALS and node.id not in SAFE_BUILTINS:
+            elif not mine and node.id not in GLOBALS and node.id not in SAFE_BUILTINS:
                 add(node, f"uses {node.id}, which is neither yours, nor torch/dist/math/lablib, nor a plain builtin")
         elif isinstance(node, ast.Attribute):
             module = _module_of(node.value, modules)

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
 from dataclasses import dataclass, field
 
 from ..checks import Check
 from ..checks.policy import GLOBALS, SAFE_BUILTINS, module_aliases, problems, top_names
 from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
+
+
+MAX_CELL = 64 << 10  # characters of one graded cell: every exercise fits in a few KB
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,18 @@ def _keep(node) -> bool:
 
 def _text(nodes: list, source: str) -> str:
     """Source text of exactly ``nodes``, each at its own line where it can be (so errors name the
-    learner's lines); checked to parse back to the same statements, else regenerated from them."""
+    learner's lines); checked to parse back to the same statements, else regenerated from them. Linear
+    in the cell's size (``ast.get_source_segment`` splits the whole source at every call)."""
+    raw = [line.encode() for line in io.StringIO(source, newline="").readlines()]  # as ast counts lines
     lines: list[str] = []
     for node in nodes:
-        segment = ast.get_source_segment(source, node, padded=True) or ast.unparse(node)
+        first, last = node.lineno - 1, node.end_lineno - 1
+        head = raw[first][:node.col_offset]
+        body = (raw[first][node.col_offset:node.end_col_offset] if first == last else
+                raw[first][node.col_offset:] + b"".join(raw[first + 1:last]) + raw[last][:node.end_col_offset])
+        segment = " " * len(head.decode(errors="replace")) + body.decode(errors="replace")
         lines += [""] * max(0, node.lineno - 1 - len(lines))
-        lines += segment.split("\n")
+        lines += segment.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     text = "\n".join(lines)
     want = ast.dump(ast.Module(body=nodes, type_ignores=[]), annotate_fields=False)
     got = _parse(text)
@@ -100,8 +110,13 @@ def exercise_code(nb) -> Exercise:
         tagged = isinstance(info, dict) and bool(info.get("exercise"))
         tree = _parse(cell["source"])
         defines = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))] if tree else []
-        if tagged or (defines and all(_keep(n) for n in tree.body)):
-            included.append((index, cell, tree))
+        if not (tagged or (defines and all(_keep(n) for n in tree.body))):
+            continue
+        if len(cell["source"]) > MAX_CELL:  # the rules' reading grows with a cell's size: none is read past this
+            ex.notes.append(f"invalid: cell {index} is too large to grade ({len(cell['source']) >> 10} KB; at most "
+                            f"{MAX_CELL >> 10} KB): keep your exercise code in cells of its own")
+            continue
+        included.append((index, cell, tree))
     defined = {name for _, _, tree in included if tree for node in tree.body if _keep(node)
                for name in top_names(node)}
     outer = module_aliases(node for _, _, tree in included if tree for node in tree.body if _keep(node))
@@ -135,26 +150,25 @@ def exercise_code(nb) -> Exercise:
 def _reachable(fn: ast.FunctionDef, nodes: dict) -> list:
     """``fn`` and every top-level statement of the learner's it reaches by name, directly or through
     others (a helper, a table of functions, a class)."""
-    seen, todo = [], [fn]
+    seen, todo = {}, [fn]
     while todo:
         node = todo.pop()
-        if any(node is n for n in seen):
-            continue
-        seen.append(node)
-        todo += [nodes[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in nodes]
-    return seen
+        if id(node) not in seen:
+            seen[id(node)] = node
+            todo += [nodes[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in nodes]
+    return list(seen.values())
 
 
 def refusal(call: Call, ex: Exercise) -> str:
     """Why ``call`` scores 0 before it runs ("" when it may run): a function not defined, or code it
     reaches that breaks the rules (policy.py), the task's own included."""
     spec = call.spec()
+    outer = module_aliases(ex.nodes.values())
     for name in call.params:
         if name in ex.refused:
             return f"{spec.task}: {name} {ex.refused[name]}."
         if name not in ex.functions:
             return f"{spec.task}: your exercise code has no `def {name}(...)`, so there is nothing to check."
-        outer = module_aliases(ex.nodes.values())
         for node in _reachable(ex.functions[name], ex.nodes):
             found = problems(node, spec.forbidden, ex.names, outer)
             if found:

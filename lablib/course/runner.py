@@ -8,11 +8,9 @@ before a time limit or a crash is kept. Nothing here judges: grade.py reads the 
 """
 from __future__ import annotations
 
-import builtins
 import importlib
 import json
 import linecache
-import math
 import os
 import resource
 import signal
@@ -20,35 +18,9 @@ import sys
 import threading
 import traceback
 
-from ..checks.policy import MODULES, SAFE_BUILTINS
+from ..checks.namespace import namespace
 
 MAX_FILE = 256 << 20  # bytes of any file the box writes (results are a few MB)
-
-
-# torch's C code imports its own modules through the calling frame's __import__, this one: torch.storage
-# on a process's first torch.tensor(...).
-_TORCH_OWN = {"torch.storage"}
-
-
-def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
-    if level or (name not in MODULES and name not in _TORCH_OWN):
-        raise ImportError(f"exercise code may import only {', '.join(sorted(MODULES))}, not {name}")
-    return __import__(name, globals, locals, fromlist, level)
-
-
-def namespace() -> dict:
-    """A fresh namespace for exercise code: torch, dist, F (torch.nn.functional), math, lablib and the
-    plain builtins only."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    import lablib
-
-    safe = {name: getattr(builtins, name) for name in SAFE_BUILTINS if hasattr(builtins, name)}
-    safe.update(__import__=_guarded_import, __build_class__=builtins.__build_class__)
-    return {"__name__": "__exercise__", "__builtins__": safe, "torch": torch, "dist": dist, "F": F,
-            "math": math, "lablib": lablib}
 
 
 class Deadline:
@@ -77,6 +49,9 @@ def main(request_path: str, results_path: str) -> int:
     from .plain import NotPlain, dumps
 
     zygote.start_here()  # one thread, no torch op yet: the ranks fork from a copy of this process
+    # A check's time limit is SIGINT (Deadline): a grader started with SIGINT ignored (`nohup lablib grade
+    # ... &`) passes that on, and a check looping in this process would then run to the box's time limit.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     with open(request_path, encoding="utf-8") as f:
         request = json.load(f)

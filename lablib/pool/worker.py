@@ -198,6 +198,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
 
     import torch.distributed as dist
 
+    from ..checks.namespace import restrict
     from ..device_audit import audited
     from ..timeline import RECORDER
 
@@ -208,6 +209,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
     try:
         me.ensure_process_group(job.gen, job.debug)
         fn, args, kwargs = P.unship(job.payload)
+        restrict((fn, args, kwargs))  # the learner's functions, when graded: their builtins as in the box
         if os.environ.get("LABLIB_DEVICE") == "cuda":  # the tensors a job is given arrive on its device
             import torch
             from torch.utils._pytree import tree_map
