@@ -552,3 +552,18 @@ def test_a_rank_counts_the_activations_of_all_its_stages(cluster):
     run = view.measure(cluster, yours(), "interleaved", p, 2, cost=0.001, repeats=1)
     # v = 2 stages of half the layers each: half a micro-batch's activations per (micro-batch, stage) held
     assert [b / run["per_mb"] for b in run["peak"]] == [k / 2 for k in sc.in_flight(sc.interleaved(p, p, 2))]
+
+
+def test_a_judge_checks_a_shape_before_it_computes_with_it(cluster):
+    """A gradient returned as (500000, 1, 1) broadcasts against a (W, W) reference: the judge once took
+    gigabytes of the grader's memory computing with it. It is refused by its shape, with no memory spent."""
+    import resource
+
+    data = cluster.run(ref.execute_job, pp.execute, None, False)
+    name = ref.CHECKED[0][0]
+    stage = sorted(data[0][name]["grads"])[0]
+    data[0][name]["grads"][stage][0] = torch.zeros(500_000, 1, 1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckFailed, match=r"gradient 0 \(rank 0\) has shape \(500000, 1, 1\), expected \(\d+, \d+\)"):
+        judge_execute(data, cluster.world_size, None)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: the peak grew < 100 MB

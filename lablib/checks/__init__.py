@@ -108,13 +108,29 @@ def call_local(task: str, fn, what: str, hint: str, *args):
         raise CheckFailed(f"{task}: {fn.__name__}({what}) raised {type(exc).__name__}: {exc}. {hint}") from None
 
 
+def max_error(got, want, what: str) -> float:
+    """The largest difference between ``got`` (data the learner's code returned) and the reference
+    ``want``: CheckFailed, naming ``what``, unless ``got`` is a tensor of want's shape and a number dtype.
+    A judge computes on nothing it has not checked (a returned shape that broadcasts against the
+    reference could take the grader's memory)."""
+    import torch
+
+    if not isinstance(got, torch.Tensor) or got.dtype == torch.bool or got.is_complex():
+        raise CheckFailed(f"{what} is {type(got).__name__ if not isinstance(got, torch.Tensor) else got.dtype}, "
+                          f"expected a tensor of shape {tuple(want.shape)}.")
+    if got.shape != want.shape:
+        raise CheckFailed(f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)}.")
+    return (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+
+
 def params_error(task: str, rank: int, what: str, params: list, ref: list, hint: str) -> float:
     """The largest difference between one rank's trained parameters (a tensor per unit) and the
     single-process reference; CheckFailed past 1e-6. ``what`` says what was trained."""
     if not isinstance(params, list) or len(params) != len(ref):
         raise CheckFailed(f"{task}: rank {rank} returned {len(params) if isinstance(params, list) else 'no'} units, "
                           f"expected {len(ref)}.")
-    err = max((got - want).abs().max().item() for got, want in zip(params, ref))
+    err = max(max_error(got, want, f"{task}: rank {rank}'s unit {k}")
+              for k, (got, want) in enumerate(zip(params, ref)))
     if not err <= 1e-6:
         raise CheckFailed(f"{task}: after {what}, rank {rank}'s parameters differ from the single-process "
                           f"reference by {err:.2e} (tolerance 1e-6). {hint}")

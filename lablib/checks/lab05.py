@@ -12,7 +12,7 @@ import re
 from ..strategies import pipeline as pp
 from ..strategies import schedules as sc
 from ..strategies import pp_reference as ref
-from . import Check, CheckFailed, call_local, run_on_ranks
+from . import Check, CheckFailed, call_local, max_error, run_on_ranks
 from .lab05_cases import _bank, _validate_cases
 
 FORBIDDEN = {
@@ -326,7 +326,7 @@ def judge_execute(data, world_size, seed) -> str:
                     if g is None:
                         raise CheckFailed(f"{task}: on {name}, stage {s} (rank {r}) has no gradient for its parameter {k}: "
                                           "did every B (and W) run?")
-                    err = (g - w).abs().max().item()
+                    err = max_error(g, w, f"{task}: on {name}, stage {s}'s gradient {k} (rank {r})")
                     if not err <= 1e-5:
                         wild = not err < 1e3  # nan, or far beyond what a wrong micro-batch gives
                         raise CheckFailed(f"{task}: on {name} with {p} ranks, stage {s}'s gradients (rank {r}) differ from "
@@ -339,7 +339,7 @@ def judge_execute(data, world_size, seed) -> str:
                     worst = max(worst, err)
                     if res["torch"] is not None:
                         t = res["torch"][str(s)][k]
-                        vs_torch = max(vs_torch, (g - t).abs().max().item())
+                        vs_torch = max(vs_torch, max_error(t, g, f"{task}: pipelining's gradient {k} of stage {s}"))
     return (f" on {p} ranks: GPipe, 1F1B, interleaved 1F1B (v=2) and ZB-H1 give one process's gradients (max error "
             f"{worst:.1e})" + (f" and torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B, "
                                f"ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble's (max difference {vs_torch:.1e})"
