@@ -56,7 +56,8 @@ def main(argv=None) -> int:
                                        "gradebook", description="Each learner's exercise functions run in a box "
                          "(bubblewrap) and the data they produce is judged outside it; the quiz answers are scored "
                          "with the instructor's banks. See docs/instructors.md.")
-    grd.add_argument("submissions", help="one folder per learner, holding their notebooks and quiz_answers.json")
+    grd.add_argument("submissions", nargs="?",
+                     help="one folder per learner, holding their notebooks and quiz_answers.json")
     grd.add_argument("--release", default=str(LABS),
                      help="the released notebooks whose check cells say what is checked (default: labs/)")
     grd.add_argument("--out", default="gradebook.csv", help="gradebook CSV (reports go to <name>-reports/)")
@@ -70,6 +71,19 @@ def main(argv=None) -> int:
                      help=f"seconds for one learner, every lab (default {TIME_LIMIT:g})")
     grd.add_argument("--jobs", type=int, default=1, help="learners graded at once, each in its own box (default 1; "
                                                          "2 or more overlaps what a learner's checks wait for)")
+    grd.add_argument("--shard", metavar="K/N", help="grade every N-th learner from the K-th only (an array job "
+                                                    "spreads a class over machines; --merge joins the gradebooks)")
+    grd.add_argument("--only", metavar="LEARNER", help="grade this learner folder alone; its rows replace theirs "
+                                                       "in the --out gradebook, every other row is kept")
+    grd.add_argument("--merge", nargs="+", metavar="CSV", help="grade nothing: join these gradebooks (the shards') "
+                                                               "into --out, their reports into its reports folder")
+    grd.add_argument("--lms", choices=("canvas", "moodle"), help="also write <out>-canvas.csv or <out>-moodle.csv, "
+                                                                 "for the LMS's gradebook import (needs --roster)")
+    grd.add_argument("--roster", help="CSV: a column 'learner' (each submission folder's name) and the LMS's "
+                                      "identity columns (Canvas: Student, ID, SIS User ID, SIS Login ID, Section; "
+                                      "Moodle: Email address, ID number or Username)")
+    grd.add_argument("--junit", metavar="FILE", help="also write the results as JUnit XML, a test case per check "
+                                                     "and quiz question")
     args = parser.parse_args(argv)
     if args.command == "release":
         return _release(args)
@@ -142,17 +156,55 @@ def _release(args) -> int:
 
 
 def _grade(args) -> int:
-    from .course.grade import grade, reports_dir
+    from pathlib import Path
 
+    from .course.gradebook import GradebookError, merge_files, read_roster, read_rows, reports_dir, write_junit, write_lms
+
+    out = Path(args.out)
     try:
-        results = grade(args.submissions, args.release, args.out, args.source, args.check_timeout, args.time_limit,
-                        args.seed, args.banks, args.jobs)
+        if (args.lms is None) != (args.roster is None):
+            raise GradebookError("--lms and --roster go together: the LMS file takes each learner's identity "
+                                 "from the roster")
+        if (args.merge is None) == (args.submissions is None):
+            raise GradebookError("give the folder of submissions to grade, or --merge with the gradebooks to join")
+        roster = read_roster(Path(args.roster), args.lms) if args.lms else None
+        if roster is not None and args.submissions and Path(args.submissions).is_dir():  # before hours of grading
+            missing = sorted(p.name for p in Path(args.submissions).iterdir() if p.is_dir() and not p.name.startswith(".")
+                             and p.name not in roster and (args.only is None or p.name == args.only))
+            if missing:
+                raise GradebookError(f"{args.roster} has no row for {', '.join(missing)}: add each learner's identity")
+        if args.merge:
+            merge_files([Path(p) for p in args.merge], out)
+            print(f"merged {len(args.merge)} gradebook(s)")
+        else:
+            _grade_submissions(args, out)
+        table = read_rows(out)
+        if roster is not None:
+            lms_out = out.with_name(f"{out.stem}-{args.lms}.csv")
+            write_lms(table, lms_out, args.lms, roster)
+            print(f"{args.lms} gradebook import: {lms_out}")
+        if args.junit:
+            write_junit(table, Path(args.junit))
+            print(f"JUnit XML: {args.junit}")
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"grade: {e}", file=sys.stderr)
         return 2
+    print(f"gradebook: {out}; reports: {reports_dir(out)}/")
+    return 0
+
+
+def _grade_submissions(args, out):
+    from .course.grade import grade
+
+    shard = (1, 1)
+    if args.shard:
+        k, _, n = args.shard.partition("/")
+        if not (k.isdigit() and n.isdigit()):
+            raise ValueError(f"--shard {args.shard}: write it K/N, e.g. --shard 2/4 for the second of four")
+        shard = (int(k), int(n))
+    results = grade(args.submissions, args.release, out, args.source, args.check_timeout, args.time_limit,
+                    args.seed, args.banks, args.jobs, shard, args.only)
     for lab in results:
         flag = f"  (flagged: {'; '.join(lab.flags)})" if lab.flags else ""
         invalid = next((f"  ({n})" for n in lab.notes if n.startswith("invalid")), "")
         print(f"  {lab.learner:<20} {lab.lab:<24} {lab.points:g}/{lab.max_points:g}{invalid}{flag}")
-    print(f"gradebook: {args.out}; reports: {reports_dir(args.out)}/")
-    return 0

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import nbformat
 import pytest
@@ -120,6 +121,18 @@ PATCH_RUN = ("def fake_run(self, job, fn, seed):\n    g = torch.Generator().manu
              "def patch(c):\n    c.run = fake_run\n")
 
 
+# Reaches any object's attributes through a class pattern (its keywords are strings, not attributes), and
+# from a library function's globals the real __import__ and lablib's own ring: refused as a construct.
+MATCH = ("    match lablib.all_reduce:\n        case object(__globals__=g):\n"
+         "            g['__builtins__']['__import__']('lablib.strategies.ring', None, None, ['x']).ring_all_gather("
+         "output, input)")
+# A lone surrogate (and a terminal escape) in the error text, and a fence with fake report lines after it.
+SURROGATE = '    raise ValueError("\\ud800 \\x1b[31m red")'
+FENCE = '    raise ValueError("```\\n- ✓ check-0.1 (check): passed, 1/1\\n```")'
+CHAIN = "\n".join(f"a{i + 1} = a{i}" for i in reversed(range(1000))) + "\na0 = torch\n"  # 12 KB, names in reverse
+BIG = "\n".join(f"b{i} = {i}" for i in range(10000)) + "\ndef helper():\n    pass\n"     # 128 KB
+
+
 def _learners(released, root):
     victim = root / "submissions" / "zz_later" / f"{LAB}.ipynb"
     release_copy = root / "release" / f"{LAB}.ipynb"
@@ -194,6 +207,13 @@ def _learners(released, root):
         "bad_symlink": ("symlink", None),
         "garbled": ("{ not a notebook", None),
         "empty": (None, None),
+        # 12: what a second red team found: a match statement, text that breaks reports, analysis that
+        # took minutes (a reversed chain of aliases; a cell of 10,000 statements)
+        "match_route": (_learner(released, {**OWN, 6: MATCH}), "solved"),
+        "surrogate": (_learner(released, {**OWN, 2: SURROGATE}), "surrogate"),
+        "fence": (_learner(released, {**OWN, 2: FENCE}), "solved"),
+        "alias_chain": (_learner(released, {**OWN, 2: CHAIN + SIGNATURES[2] + "\n" + OWN[2]}), "solved"),
+        "big_cell": (_learner(released, "solved", insert=[BIG]), "solved"),
         # 11: hangs in two checks, solves the third
         "hangs": (_learner(released, {2: "    while True:\n        pass", 4: "    while True:\n        pass",
                                       6: RING}), None),
@@ -213,7 +233,7 @@ def _write(root, released, source_nb):
             (folder / f"{LAB}.ipynb").write_text(nb)
         elif nb is not None:
             (folder / f"{LAB}.ipynb").write_text(json.dumps(nb))  # as saved, even when nbformat would refuse it
-        if answers in ("solved", "retried", "record-string", "1e400", "result-folders"):
+        if answers in ("solved", "retried", "record-string", "1e400", "result-folders", "surrogate"):
             _answers(folder, answers)
         path = folder / "quiz_answers.json"
         if answers == "record-string":
@@ -226,12 +246,21 @@ def _write(root, released, source_nb):
             key = next(k for k in data["answers"] if isinstance(data["answers"][k]["response"], (int, float)))
             data["answers"][key]["response"] = 12345.0
             path.write_text(json.dumps(data).replace("12345.0", "1e400"))
+        elif answers == "surrogate":  # a lone surrogate in an answer (JSON may hold one)
+            data = json.loads(path.read_text())
+            key = next(k for k in data["answers"] if isinstance(data["answers"][k]["response"], (int, float)))
+            data["answers"][key]["response"] = "\ud800"
+            path.write_text(json.dumps(data))
         elif answers == "folder":
             path.mkdir()
         elif answers == "result-folders":
             for name_ in (".junit.xml", "results.jsonl", "request.json"):
                 (folder / name_).mkdir()
     return subs
+
+
+NOHUP = ("import runpy, signal, sys\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nsys.argv[0] = 'lablib'\n"
+         "runpy.run_module('lablib', run_name='__main__', alter_sys=True)")
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +275,9 @@ def course(tmp_path_factory):
     victims = {p: p.read_bytes() for p in (subs / "zz_later" / f"{LAB}.ipynb", root / "release" / f"{LAB}.ipynb")}
     out = root / "gradebook.csv"
     (root / "tmp").mkdir()  # the boxes' folders go here, so the test finds what this run started
-    proc = subprocess.run([sys.executable, "-m", "lablib", "grade", str(subs), "--release", str(root / "release"),
+    # As `nohup lablib grade ... &` starts it: SIGINT ignored (which the boxes inherit, and a check's time
+    # limit is SIGINT), two learners at once.
+    proc = subprocess.run([sys.executable, "-c", NOHUP, "grade", str(subs), "--release", str(root / "release"),
                            "--source", str(root / "source"), "--out", str(out), "--check-timeout",
                            str(CHECK_TIMEOUT), "--seed", "42", "--jobs", "2"], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TMPDIR": str(root / "tmp")})
@@ -382,6 +413,40 @@ def test_missing_and_garbled_notebooks(course):
     assert "is not valid JSON" in _report(root, "garbled")
 
 
+def test_a_match_statement_is_refused_as_a_construct_whatever_it_reaches(course):
+    root, _, rows, _ = course
+    assert _row(rows, "match_route", "check-2.1")[::2] == (0, "refused")
+    assert "uses a match statement, which exercise code may not be written with" in _report(root, "match_route")
+    assert _row(rows, "match_route", "check-0.1")[::2] == (1, "passed")
+
+
+def test_text_that_would_break_a_report_is_escaped_and_the_learners_after_it_are_graded(course):
+    root, _, rows, _ = course
+    report = (root / "gradebook-reports" / "surrogate.md").read_bytes().decode("utf-8")  # valid UTF-8
+    assert "ValueError: \\ud800 \\u001b[31m red" in report and "\x1b" not in report
+    assert _checks(rows, "surrogate") == {"check-0.1": (0, "failed"), "check-1.1": (1, "passed"),
+                                          "check-2.1": (2, "passed")}
+    assert "invalid answer" in {r["status"] for r in rows if r["learner"] == "surrogate" and r["kind"] == "quiz"}
+    assert _row(rows, "zz_later", "TOTAL")[:2] == (FULL, FULL)
+    lines = _report(root, "fence").splitlines()
+    assert "- ✓ check-0.1 (check): passed, 1/1" not in lines  # the learner's fake line stays in its code block
+    start = lines.index("  ````")  # one backtick longer than the learner's fences, so theirs end nothing
+    inside = lines[start + 1:lines.index("  ````", start + 1)]
+    assert "  - ✓ check-0.1 (check): passed, 1/1" in inside and "  ```" in inside
+
+
+def test_analysis_that_once_took_minutes_is_linear_or_capped(course):
+    root, _, rows, _ = course
+    # 1,000 aliases named in reverse (read in one pass, where the rules once read them 1,000 times); run,
+    # the cell stops at its first line, which is the learner's to hear
+    assert _checks(rows, "alias_chain") == {"check-0.1": (0, "failed"), "check-1.1": (1, "passed"),
+                                            "check-2.1": (2, "passed")}
+    assert "cell 2 raised NameError: name 'a999' is not defined" in _report(root, "alias_chain")
+    total = _row(rows, "big_cell", "TOTAL")
+    assert total[2].startswith("invalid: cell 2 is too large to grade (124 KB; at most 64 KB)")
+    assert _checks(rows, "big_cell") == _checks(rows, "good")  # its exercise cells are graded all the same
+
+
 def test_a_hanging_check_is_stopped_and_the_others_still_count(course):
     root, _, rows, _ = course
     assert _checks(rows, "hangs") == {"check-0.1": (0, "failed"), "check-1.1": (0, "failed"),
@@ -391,7 +456,8 @@ def test_a_hanging_check_is_stopped_and_the_others_still_count(course):
 
 def test_every_learner_is_graded_in_one_run_and_nothing_is_left_running(course):
     root, _, rows, _ = course
-    assert len({r["learner"] for r in rows}) == 32
+    assert len({r["learner"] for r in rows}) == 37
+    assert [r["learner"] for r in rows] == sorted(r["learner"] for r in rows)  # graded two at a time, kept in order
     if os.environ.get("LABLIB_REQUIRE_SANDBOX"):
         assert "WITHOUT a sandbox" not in _report(root, "good")
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -489,3 +555,55 @@ def test_the_course_itself(tmp_path):
         else:
             assert (it.status, it.points) == ("failed", 0) and "is not done yet" in it.detail, (item, it.detail)
     assert all(lab.flags for lab in results if lab.learner == "solved")
+
+
+def _grade_cli(root, *args):
+    proc = subprocess.run([sys.executable, "-m", "lablib", "grade", *map(str, args), "--release", str(root / "release"),
+                           "--source", str(root / "source"), "--check-timeout", str(CHECK_TIMEOUT), "--seed", "42"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_one_learner_regraded_alone_and_shards_merged_give_the_same_gradebook(course, tmp_path):
+    """--only regrades one learner, serially, into a copy of the fixture's gradebook (graded two at a time):
+    the whole gradebook comes out the same. Two shards of a smaller class, merged, equal its rows too."""
+    import shutil
+
+    root, _, rows, _ = course
+    gradebook = tmp_path / "gradebook.csv"
+    shutil.copy(root / "gradebook.csv", gradebook)
+    _grade_cli(root, root / "submissions", "--only", "good", "--out", gradebook)
+    assert list(csv.DictReader(open(gradebook))) == rows
+    class_ = tmp_path / "class"
+    for learner in ("good", "library", "empty"):
+        shutil.copytree(root / "submissions" / learner, class_ / learner)
+    for k in (1, 2):
+        _grade_cli(root, class_, "--shard", f"{k}/2", "--out", tmp_path / f"shard{k}.csv")
+    assert {r["learner"] for r in csv.DictReader(open(tmp_path / "shard1.csv"))} == {"empty", "library"}
+    out = _grade_cli(root, "--merge", tmp_path / "shard1.csv", tmp_path / "shard2.csv", "--out", tmp_path / "all.csv")
+    assert "merged 2 gradebook(s)" in out
+    assert list(csv.DictReader(open(tmp_path / "all.csv"))) == [r for r in rows if r["learner"] in ("good", "library", "empty")]
+    assert sorted(p.name for p in (tmp_path / "all-reports").iterdir()) == ["empty.md", "good.md", "library.md"]
+
+
+def test_the_gradebook_goes_to_an_lms_and_to_junit_from_the_command_line(course, tmp_path):
+    root, _, rows, _ = course
+    learners = sorted({r["learner"] for r in rows})
+    roster = tmp_path / "roster.csv"
+    roster.write_text("learner,Student,ID,Section\n" + "".join(f"{n},{n.title()},{k},A\n" for k, n in enumerate(learners)))
+    out = _grade_cli(root, "--merge", root / "gradebook.csv", "--out", tmp_path / "gb.csv", "--lms", "canvas",
+                     "--roster", roster, "--junit", tmp_path / "junit.xml")
+    assert f"canvas gradebook import: {tmp_path / 'gb-canvas.csv'}" in out
+    canvas = list(csv.reader(open(tmp_path / "gb-canvas.csv")))
+    assert canvas[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", LAB, "Total"]
+    good = next(r for r in canvas if r[0] == "Good")
+    assert good[5] == good[6] == f"{FULL:g}"
+    suites = {s.get("name"): s for s in ET.parse(tmp_path / "junit.xml").getroot()}
+    assert set(suites) == set(learners) and suites["good"].get("failures") == "0"
+    assert suites["untouched"].get("failures") == suites["untouched"].get("tests")
+    roster.write_text("learner,Student\ngood,Good\n")
+    proc = subprocess.run([sys.executable, "-m", "lablib", "grade", str(root / "submissions"), "--out",
+                           str(tmp_path / "x.csv"), "--lms", "moodle", "--roster", str(roster)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "identity columns" in proc.stderr and not (tmp_path / "x.csv").exists()

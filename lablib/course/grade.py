@@ -11,66 +11,31 @@ that cannot be read is graded "invalid: reason", and grading goes on with the ne
 """
 from __future__ import annotations
 
-import csv
 import io
 import json
 import os
 import secrets
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import CheckFailed
 from .exercises import check_calls, exercise_code, normalised, refusal, solutions
+from .gradebook import Item, LabResult, merge, read_rows, reports_dir, rows, write_report, write_rows
 from .limits import CHECK_TIMEOUT, TIME_LIMIT
 from .notebook import ANSWERS
 
 MAX_FILE = 50 << 20          # bytes of one submitted file
 
 
-@dataclass
-class Item:
-    learner: str
-    lab: str
-    item: str
-    kind: str            # "check" or "quiz"
-    points: float
-    max_points: float
-    status: str          # passed / failed / refused / not run / invalid / missing notebook / the quiz's statuses
-    detail: str = ""
-
-
-@dataclass
-class LabResult:
-    learner: str
-    lab: str
-    items: list[Item] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    flags: list[str] = field(default_factory=list)   # for the instructor: code that matches a solution
-    feedback: str = ""
-
-    @property
-    def points(self) -> float:
-        return sum(i.points for i in self.items)
-
-    @property
-    def max_points(self) -> float:
-        return sum(i.max_points for i in self.items)
-
-
 class Invalid(ValueError):
     """A submitted file that cannot be graded; the message says why."""
-
-
-def reports_dir(gradebook) -> Path:
-    """Where the per-learner reports of ``gradebook.csv`` go: ``gradebook-reports/`` beside it."""
-    gradebook = Path(gradebook)
-    return gradebook.with_name(gradebook.stem + "-reports")
 
 
 # -- reading what a learner submitted ------------------------------------------------------------------
@@ -152,20 +117,36 @@ class Course:
 
 
 def grade(submissions, release_dir, out, source_dir=None, check_timeout: float = CHECK_TIMEOUT,
-          time_limit: float = TIME_LIMIT, seed: int | None = None, banks_dir=None, jobs: int = 1) -> list[LabResult]:
+          time_limit: float = TIME_LIMIT, seed: int | None = None, banks_dir=None, jobs: int = 1,
+          shard: tuple[int, int] = (1, 1), only: str | None = None) -> list[LabResult]:
     """Grade every learner folder in ``submissions``; write the gradebook CSV ``out`` (after each learner,
     atomically) and a report per learner in ``reports_dir(out)``. Returns the results, in learner order.
     ``jobs``: learners graded at once, each in its own box (what one learner waits for, a hanging check
-    say, then overlaps the others' work)."""
+    say, then overlaps the others' work). ``shard`` (k, n): only every n-th learner from the k-th (1-based),
+    for a class spread over machines (``lablib grade --merge`` joins their gradebooks). ``only``: that
+    learner alone, their rows replacing theirs in an existing ``out``, every other row kept."""
     from ..quiz.bank import default_dir, load_all
     from .notebook import read_notebook
 
     submissions, release_dir, out = Path(submissions), Path(release_dir), Path(out)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
+    k, n = shard
+    if not 1 <= k <= n:
+        raise ValueError(f"shard {k}/{n}: K/N needs 1 <= K <= N (the K-th of N shards)")
     releases = {p.name: read_notebook(p) for p in sorted(release_dir.glob("*.ipynb"))}
     if not releases:
         raise FileNotFoundError(f"{release_dir}: no released notebooks to grade against")
     if not submissions.is_dir():
         raise FileNotFoundError(f"{submissions}: no such folder of submissions (one folder per learner)")
+    learners = sorted(p for p in submissions.iterdir()
+                      if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))[k - 1::n]
+    keep = []  # the rows of other learners, with only=
+    if only is not None:
+        learners = [p for p in learners if p.name == only]
+        if not learners:
+            raise FileNotFoundError(f"{submissions / only}: no such learner folder")
+        keep = [r for r in read_rows(out) if r["learner"] != only] if out.exists() else []
     sources = {name: read_notebook(Path(source_dir) / name) for name in releases} if source_dir else {}
     seed = secrets.randbelow(10 ** 6) if seed is None else seed
     course = Course(releases, {}, {}, {}, load_all(Path(banks_dir) if banks_dir else default_dir()), seed,
@@ -173,26 +154,27 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
     for name, nb in releases.items():
         course.calls[name], course.points[name] = check_calls(nb, sources.get(name), seed)
         course.solutions[name] = solutions(sources[name]) if name in sources else {}
-    learners = sorted(p for p in submissions.iterdir()
-                      if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     done: dict[Path, list[LabResult]] = {}
     lock = threading.Lock()
+    write_rows(keep, out)  # a shard with no learners still has its gradebook
 
     def one(folder):
-        try:
+        try:  # one learner never stops the others: whatever fails, they get rows
             labs = grade_learner(folder, course)
-        except Exception as exc:  # noqa: BLE001 - one learner never stops the others
+        except Exception as exc:  # noqa: BLE001
             labs = [LabResult(folder.name, Path(n).stem, notes=[f"invalid: grading failed: {type(exc).__name__}: {exc}"])
                     for n in releases]
             for lab, name in zip(labs, releases):
                 lab.items = [Item(lab.learner, lab.lab, gid, "check", 0.0, p, "invalid")
                              for gid, p in course.points[name].items()]
+        try:
+            write_report(labs, reports_dir(out), course.seed)
+        except Exception as exc:  # noqa: BLE001
+            labs[0].flags.append(f"report: not written ({type(exc).__name__}: {exc})")
         with lock:  # the gradebook holds every learner graded so far, in learner order
             done[folder] = labs
-            write_gradebook([lab for f in learners if f in done for lab in done[f]], out)
-            write_report(labs, reports_dir(out), course)
+            write_rows(merge({str(out): keep, "this run": rows([lab for f in learners if f in done for lab in done[f]])}),
+                       out)
 
     if jobs == 1:
         for folder in learners:
@@ -278,7 +260,7 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
     """Run the request in a box; ({call id: record}, a note on how the box ended or "")."""
     from . import sandbox
 
-    work = Path(tempfile.mkdtemp(prefix="lablib-grade-"))
+    work, notes = Path(tempfile.mkdtemp(prefix="lablib-grade-")), []
     try:
         nonce = secrets.token_hex(16)
         (work / "request.json").write_text(json.dumps({"nonce": nonce, "check_timeout": course.check_timeout,
@@ -310,20 +292,21 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
             records[record["id"]] = record
         for key in duplicated:
             records[key] = {"error": "invalid: two results for one check"}
-        notes = [f"exercise code: {c}" for c in cells[:20]]
+        notes += [f"exercise code: {c}" for c in cells[:20]]
         if run.reason:
             notes.append(f"the grading box stopped: {run.reason}; checks without a result count as not run")
         elif run.returncode:
             notes.append(f"the grading box ended with exit code {run.returncode}:\n{run.output[-1500:]}")
         if run.warning:
             notes.append(run.warning)
-        return records, "\n".join(notes)
     finally:
-        _remove(work)
+        notes.append(_remove(work))
+    return records, "\n".join(n for n in notes if n)
 
 
-def _remove(folder: Path):
-    """Remove the box's folder, whatever modes the learner's code gave what is in it."""
+def _remove(folder: Path) -> str:
+    """Remove the box's folder, whatever the learner's code left in it (any modes, any depth: rmtree
+    recurses and fails on a deep one); "" or what could not be removed, for the report."""
     def unlock(function, path, _):
         for p in (Path(path).parent, Path(path)):
             try:
@@ -334,8 +317,10 @@ def _remove(folder: Path):
 
     try:
         shutil.rmtree(folder, onerror=unlock)
-    except OSError:
-        shutil.rmtree(folder, ignore_errors=True)
+    except (OSError, RecursionError):
+        subprocess.run(["chmod", "-R", "u+rwx", "--", str(folder)], capture_output=True, timeout=300)
+        subprocess.run(["rm", "-rf", "--", str(folder)], capture_output=True, timeout=300)
+    return f"the grading box's folder {folder} could not be removed: remove it by hand" if folder.exists() else ""
 
 
 def _quiz(labs: dict, answers: dict, note: str, course: Course):
@@ -348,48 +333,3 @@ def _quiz(labs: dict, answers: dict, note: str, course: Course):
         if note:
             lab.notes.append(note)
         lab.feedback = feedback(lab.lab, answers, course.banks)
-
-
-# -- writing -----------------------------------------------------------------------------------------
-def _write_atomic(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_gradebook(results: list[LabResult], out: Path):
-    buf = io.StringIO()
-    writer = csv.writer(buf)
-    writer.writerow(["learner", "lab", "item", "kind", "points", "max_points", "status", "flags"])
-    for lab in results:
-        for it in lab.items:
-            writer.writerow([it.learner, it.lab, it.item, it.kind, f"{it.points:g}", f"{it.max_points:g}", it.status,
-                             "; ".join(f for f in lab.flags if f.startswith(f"{it.item}:"))])
-        writer.writerow([lab.learner, lab.lab, "TOTAL", "total", f"{lab.points:g}", f"{lab.max_points:g}",
-                         next((n for n in lab.notes if n.startswith("invalid")), ""), "; ".join(lab.flags)])
-    _write_atomic(out, buf.getvalue())
-
-
-def write_report(labs: list[LabResult], folder: Path, course: Course):
-    learner = labs[0].learner
-    lines = [f"# {learner}", "", f"Checks drew their inputs from seed {course.seed}.", ""]
-    for lab in labs:
-        lines += [f"## {lab.lab}: {lab.points:g} / {lab.max_points:g} points", ""]
-        lines += [f"Note: {n}" for n in lab.notes] + ([""] if lab.notes else [])
-        for it in lab.items:
-            mark = "✓" if it.points == it.max_points and it.max_points else "✗"
-            lines.append(f"- {mark} {it.item} ({it.kind}): {it.status}, {it.points:g}/{it.max_points:g}")
-            if it.detail and it.kind == "check" and it.status != "passed":
-                lines += ["", "  ```", *[f"  {d}" for d in it.detail.splitlines()], "  ```", ""]
-        if lab.feedback:
-            lines += ["", lab.feedback]
-        lines.append("")
-    _write_atomic(folder / f"{learner}.md", "\n".join(lines))
