@@ -92,12 +92,16 @@ class Work:
         self._waited = True
 
     def is_completed(self):
+        """Whether the work completed. Once it says so, the work counts as waited for (its data is in
+        place: copied back, its error raised). Nothing else of the raw handle is passed on: its future
+        or its own wait would complete the work behind ``waited``, which the checks judge."""
         if self._end is not None:
-            return _now() >= self._end
-        return self._done.is_set() if self._done is not None else self._work.is_completed()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+            done = _now() >= self._end
+        else:
+            done = self._done.is_set() if self._done is not None else self._work.is_completed()
+        if done:
+            self.wait()
+        return done
 
 
 def copy_back(pairs) -> None:

@@ -253,8 +253,17 @@ def test_zero_stage_mistakes(cluster):
         check_zero1(no_divide, cluster)
     with pytest.raises(CheckFailed, match="ctx.update got a gradient of \\d+ elements"):
         check_zero1(full_update, cluster)
+    def zero2_by_all_reduce(unit, ctx):  # right values, right memory after the step: no reduce-scatter
+        lablib.all_reduce(unit.grad)
+        start, end = unit.layout.shard_bounds(ctx.rank)
+        unit.grad = unit.grad[start:end] / ctx.world_size
+        ctx.update(unit, unit.grad)
+        _gather(unit, ctx)
+
     with pytest.raises(CheckFailed, match="holds \\d+ bytes of grads.*keeps only this rank's shard of the gradient"):
         check_zero2(zero2_keeps_full_grad, cluster)
+    with pytest.raises(CheckFailed, match="issued all_gather, all_reduce. ZeRO-2 reduce-scatters the gradients"):
+        check_zero2(zero2_by_all_reduce, cluster)
     with pytest.raises(CheckFailed, match="storage reshard freed: resize it back"):
         check_zero3(_gather, _free, cluster)
     if cluster.world_size > 1:

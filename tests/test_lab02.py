@@ -178,3 +178,23 @@ def test_bytes_on_the_wire_are_measured_beside_the_ring_model(cluster):
         wire = sum(s.meta["wire"] for s in spans) / n
         assert factor * BUS_FACTOR[op](n) * size <= wire <= factor * BUS_FACTOR[op](n) * size * 1.02 + 4096, (op, wire)
     assert bytes_on_wire(cluster.timeline()) == sum(s.meta["wire"] for s in cluster.timeline().spans) / n
+
+
+def _ring_with_a_made_up_span(output, input):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = output.view(n, -1)
+    chunks[rank].copy_(input)
+    for step in range(n - 1):
+        send = lablib.isend(chunks[(rank - step) % n], (rank + 1) % n)
+        lablib.recv(chunks[(rank - step - 1) % n], (rank - 1) % n)
+        send.wait()
+    with lablib.span("send to nobody", "comm", bytes=12345, op="send"):  # a bar on the timeline, not a message
+        pass
+
+
+def test_messages_are_judged_from_lablibs_calls_not_from_spans_a_learner_adds(cluster):
+    from lablib.checks.lab02 import ring_job
+
+    n = cluster.world_size
+    for got, sent, collectives in cluster.run(ring_job, _ring_with_a_made_up_span, "all_gather")[0]:
+        assert len(sent) == n - 1 and 12345 not in sent and collectives == []

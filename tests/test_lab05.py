@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import lablib
 from lablib.checks import PASSED, CheckFailed
@@ -567,3 +568,46 @@ def test_a_judge_checks_a_shape_before_it_computes_with_it(cluster):
     with pytest.raises(CheckFailed, match=r"gradient 0 \(rank 0\) has shape \(500000, 1, 1\), expected \(\d+, \d+\)"):
         judge_execute(data, cluster.world_size, None)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: the peak grew < 100 MB
+
+
+def _reachable(obj, depth=3):
+    """Every object reached from ``obj`` through public attributes and list/dict items (what exercise
+    code may walk), ``depth`` steps deep."""
+    seen, todo = {}, [(obj, 0)]
+    while todo:
+        item, d = todo.pop()
+        if id(item) in seen or d > depth or isinstance(item, (torch.Tensor, torch.nn.Module, str, int, float)):
+            continue
+        seen[id(item)] = item
+        if isinstance(item, (list, tuple)):
+            todo += [(x, d + 1) for x in item]
+        elif isinstance(item, dict):
+            todo += [(x, d + 1) for x in item.values()]
+        elif hasattr(item, "__dict__"):
+            todo += [(v, d + 1) for k, v in vars(item).items() if not k.startswith("_")]
+    return seen
+
+
+def test_the_actions_a_rank_ran_are_out_of_the_executors_reach():
+    """Task 5.4 judges the order of the actions each rank's stages ran: the executor holds the stages, so
+    no public attribute of theirs may lead to that record (an executor once rewrote it to match)."""
+    blocks = pp.model(ref.WIDTH, seed=0)
+    xs, ys = pp.data(ref.WIDTH, ref.ROWS, ref.M, 0)
+    stages = pp.stages_of(0, 1, 1, list(blocks), xs, ys)
+    stage = stages[0]
+    stage.forward(0)
+    record = stage.rank_held._log
+    assert record and not any(obj is record for obj in _reachable(stages).values())
+
+
+def test_a_handle_counts_as_waited_once_it_says_it_completed_and_hands_out_nothing_else(cluster):
+    def job():
+        peer = (dist.get_rank() + 1) % dist.get_world_size()
+        recv = lablib.irecv(torch.zeros(4), (dist.get_rank() - 1) % dist.get_world_size())
+        send = lablib.isend(torch.ones(4), peer)
+        while not recv.is_completed():
+            pass
+        send.wait()
+        return recv.waited, hasattr(recv, "get_future"), hasattr(recv, "result")
+
+    assert cluster.run(job) == [(True, False, False)] * cluster.world_size

@@ -153,8 +153,15 @@ MODELS, STEPS = ("mlp", "transformer"), 3
 
 
 def train_job(strategy, seed=None) -> dict:
-    """On each rank: both models trained with ``strategy``; parameters, bytes held and Ψ per model."""
-    return {model: train(strategy, model, STEPS, Optimizer(), False, seed or 0) for model in MODELS}
+    """On each rank: both models trained with ``strategy``; parameters, bytes held and Ψ per model, and
+    the collectives the training issued (as lablib's traced calls recorded them)."""
+    from ..comm import watched
+
+    out = {}
+    for model in MODELS:
+        out[model], ops = watched(train, strategy, model, STEPS, Optimizer(), False, seed or 0)
+        out[model]["ops"] = sorted({op.split(" ")[0] for op in ops})
+    return out
 
 
 def judge_zero(task: str, stage: str, per_rank: list, n: int, seed=None) -> str:
@@ -166,6 +173,11 @@ def judge_zero(task: str, stage: str, per_rank: list, n: int, seed=None) -> str:
         for rank, result in enumerate(r[model] for r in per_rank):
             worst = max(worst, params_error(task, rank, f"{STEPS} steps of the {model}", result["params"], ref,
                                             _STAGE_HINTS[stage]))
+            if stage == "zero2" and not ("reduce_scatter" in result["ops"] and "all_reduce" not in result["ops"]):
+                raise CheckFailed(f"{task}: rank {rank}'s steps issued {', '.join(result['ops'])}. ZeRO-2 reduce-scatters "
+                                  "the gradients (lablib.reduce_scatter): each rank needs only the sum of its own shard, "
+                                  "so no rank receives, or holds for a moment, the whole summed gradient an all-reduce "
+                                  "gives.")
             expected = zero_formula(stage, sum(u.numel() + (-u.numel()) % n for u in ref), n, mixed=False,
                                     state_bytes=4)
             for kind in ("params", "grads", "optimizer"):

@@ -43,27 +43,25 @@ def expected(op: str, n: int, rank: int, dtype: str, chunk: int, seed=None) -> t
 
 def ring_job(fn, op: str, seed=None) -> list:
     """On each rank, for every case: the learner's result, the bytes of each message it sent through
-    lablib, and the library collectives it called."""
+    lablib, and the library collectives it called: as lablib's traced calls recorded them (comm.watched),
+    not from the timeline's spans, which ``lablib.span`` in exercise code could add to."""
     import torch.distributed as dist
 
-    from ..timeline import RECORDER
-
-    from ..comm import to_device
+    from ..comm import to_device, watched
 
     rank, n = dist.get_rank(), dist.get_world_size()
     out = []
     for dtype, chunk in ring_cases(seed):
         x = to_device(ring_input(op, n, rank, dtype, chunk, seed))
-        before = len(RECORDER.spans)
         if op == "all_reduce":
             got = x.clone()
-            fn(got)
+            _, ops = watched(fn, got)
         else:
             got = torch.zeros(chunk * n if op == "all_gather" else chunk, dtype=x.dtype, device=x.device)
-            fn(got, x.clone())
-        comm = [s for s in RECORDER.spans[before:] if s.kind == "comm"]
-        sent = [s.bytes or 0 for s in comm if s.meta.get("op") == "send"]
-        collectives = {s.meta.get("op") for s in comm} & set(_TORCH_NAME)
+            _, ops = watched(fn, got, x.clone())
+        ops = [o.split(" ") for o in ops]
+        sent = [int(nbytes) for name, nbytes in ops if name == "send"]
+        collectives = {name for name, _ in ops} & set(_TORCH_NAME)
         out.append([got, sent, sorted(collectives)])
     return out
 

@@ -85,7 +85,7 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
         for w in works:  # a send left in flight must not meet the next schedule's messages
             w.wait()
         out[name] = {"grads": _grads(params), "ops": ops, "left": left, "unwaited": unwaited,
-                     "ran": [f"{k}{mb}/{s}" for k, mb, s in record.log],
+                     "ran": [f"{k}{mb}/{s}" for k, mb, s in record.actions()],
                      "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}
     return out
 
