@@ -1,11 +1,10 @@
 """The real labs: learner copies are exactly what `lablib release` makes from the sources, and an
 untouched learner copy fails its graded checks (with a message that helps) and nothing else."""
-import re
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import learner_copies
 import nbformat
 import pytest
 
@@ -71,42 +70,10 @@ def test_sources_keep_outputs_only_where_nbval_compares_them(source):
             assert not cell.outputs, f"cell {i} stores outputs nbval never compares: run `lablib tidy {source}`"
 
 
-def _junit_results(path) -> dict[tuple[str, int], tuple[str, str]]:
-    """{(notebook file name, cell number): (status, failure text)} from nbval's JUnit XML."""
-    results = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        m = re.match(r"Cell (\d+)$", case.get("name", ""))
-        if m:
-            notebook = case.get("classname", "").split(".ipynb")[0].split(".")[-1].split("/")[-1] + ".ipynb"
-            failure = case.find("failure") if case.find("failure") is not None else case.find("error")
-            text = "" if failure is None else failure.get("message", "") + "\n" + (failure.text or "")
-            results[(notebook, int(m.group(1)))] = ("passed" if failure is None else "failed", text)
-    return results
-
-
 @pytest.fixture(scope="module")
-def untouched(tmp_path_factory):
-    """Every learner copy run as nbval runs it, in two pytest processes at once (half the labs each: a
-    notebook's kernel and pool starting, or its ranks waiting on each other, leave the cores to the
-    other): {(notebook, cell): (status, failure text)}."""
-    tmp = tmp_path_factory.mktemp("untouched")
-    runs = []
-    for k, half in enumerate((SOURCES[0::2], SOURCES[1::2])):
-        runs.append((tmp / f"junit{k}.xml", subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={tmp / f'junit{k}.xml'}",
-             "--rootdir", str(ROOT), *(str(ROOT / "labs" / s.name) for s in half)], cwd=ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**__import__("os").environ, "LABLIB_ANSWERS": str(tmp / f"quiz_answers{k}.json")})))
-    results = {}
-    try:
-        for junit, proc in runs:
-            proc.wait(timeout=1800)
-            results.update(_junit_results(junit))
-    finally:
-        for _, proc in runs:  # a hung run is stopped, not left behind
-            if proc.poll() is None:
-                proc.kill()
-    return results
+def untouched():
+    """Every learner copy run as nbval runs it (learner_copies.py): {(notebook, cell): (status, failure text)}."""
+    return learner_copies.results()
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
