@@ -178,3 +178,18 @@ def test_the_boxs_import_guard_lets_through_only_the_listed_modules_and_torchs_o
     for name in ("torch.serialization", "pickle", "lablib.strategies.pipeline"):
         with pytest.raises(ImportError, match="may import only"):
             guard(name)
+
+
+@pytest.mark.parametrize("source, construct", [
+    ("def f(x):\n    match x:\n        case object(__globals__=g):\n            return g", "a match statement"),
+    ("def f(x):\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass",
+     "try/except"),  # would swallow the KeyboardInterrupt that ends a check at its time limit
+    ("def f(x):\n    global torch\n    return x", "global"),
+    ("def f(x):\n    yield x", "yield (a generator)"),
+    ("async def f(x):\n    return x", "async def"),
+    ("def f(x):\n    return (y := x)", "an assignment expression (:=)"),
+])
+def test_constructs_outside_the_allow_list_are_refused_by_name(source, construct):
+    assert problems(ast.parse(source)) == [
+        f"line {1 if construct == 'async def' else 2}: uses {construct}, which exercise code may not be written "
+        "with (the exercises need only functions, classes, loops, if, with, comprehensions and lambdas)"]
