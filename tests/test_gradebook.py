@@ -135,15 +135,20 @@ def _restricted_builtins(fns):
     return [sorted(fn.__globals__["__builtins__"]) for fn in fns]
 
 
-def test_exercise_functions_keep_the_boxs_builtins_on_the_ranks(cluster):
-    """cloudpickle rebuilds a function on the rank with the rank's real builtins; restrict() gives the
-    exercise namespace's functions (and their helpers and classes) the box's builtins again."""
+def test_exercise_functions_keep_the_boxs_builtins_on_the_ranks(monkeypatch):
+    """cloudpickle rebuilds a function on the rank with the rank's real builtins; in a grading box
+    (LABLIB_GRADING=1, which its ranks inherit) restrict() gives the exercise namespace's functions (and
+    their helpers and classes) the box's builtins again."""
+    from lablib import Cluster
     from lablib.checks.namespace import exercise_builtins, namespace
+
+    monkeypatch.setenv("LABLIB_GRADING", "1")
 
     ns = namespace()
     exec(compile("def helper(x):\n    return x\n"
                  "class Fn:\n    @staticmethod\n    def forward(x):\n        return helper(x)\n"
                  "def mine(x):\n    return Fn.forward(x)\n", "<exercise>", "exec"), ns)
-    got = cluster.run(_restricted_builtins, [ns["mine"], ns["helper"], ns["Fn"].forward])
-    assert got == [[sorted(exercise_builtins())] * 3] * cluster.world_size
+    with Cluster(2, quiet=True) as cluster:
+        got = cluster.run(_restricted_builtins, [ns["mine"], ns["helper"], ns["Fn"].forward])
+    assert got == [[sorted(exercise_builtins())] * 3] * 2
     assert "getattr" not in exercise_builtins() and "open" not in exercise_builtins()

@@ -266,7 +266,7 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
         (work / "request.json").write_text(json.dumps({"nonce": nonce, "check_timeout": course.check_timeout,
                                                        "labs": request}))
         results = work / "results.jsonl"
-        env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+        env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LABLIB_GRADING": "1"}
         lablib_dir = Path(__file__).resolve().parents[1]
         run = sandbox.run([sys.executable, "-m", "lablib.course.runner", str(work / "request.json"), str(results)],
                           workdir=work, readonly=[Path(sys.prefix), lablib_dir], env=env,
