@@ -169,8 +169,10 @@ def _grade(args) -> int:
             raise GradebookError("give the folder of submissions to grade, or --merge with the gradebooks to join")
         roster = read_roster(Path(args.roster), args.lms) if args.lms else None
         if roster is not None and args.submissions and Path(args.submissions).is_dir():  # before hours of grading
-            missing = sorted(p.name for p in Path(args.submissions).iterdir() if p.is_dir() and not p.name.startswith(".")
-                             and p.name not in roster and (args.only is None or p.name == args.only))
+            from .course.grade import learner_folders
+
+            missing = [p.name for p in learner_folders(args.submissions)
+                       if p.name not in roster and (args.only is None or p.name == args.only)]
             if missing:
                 raise GradebookError(f"{args.roster} has no row for {', '.join(missing)}: add each learner's identity")
         if args.merge:

@@ -52,10 +52,10 @@ def namespace() -> dict:
             "math": math, "lablib": lablib}
 
 
-def restrict(obj) -> int:
+def restrict(obj) -> None:
     """Give every exercise function reachable from ``obj`` (a job's function and arguments: in lists,
     tuples, dicts, closures, defaults, partials, bound methods and the learner's classes) the exercise
-    builtins instead of this process's; returns how many namespaces it restricted."""
+    builtins instead of this process's."""
     todo, seen, spaces = [obj], set(), {}
     while todo:
         item = todo.pop()
@@ -79,7 +79,6 @@ def restrict(obj) -> int:
             todo += vars(item).values()
     for space in spaces.values():
         space["__builtins__"] = exercise_builtins()
-    return len(spaces)
 
 
 def _filled(cell) -> bool:

@@ -139,8 +139,7 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
         raise FileNotFoundError(f"{release_dir}: no released notebooks to grade against")
     if not submissions.is_dir():
         raise FileNotFoundError(f"{submissions}: no such folder of submissions (one folder per learner)")
-    learners = sorted(p for p in submissions.iterdir()
-                      if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))[k - 1::n]
+    learners = learner_folders(submissions)[k - 1::n]
     keep = []  # the rows of other learners, with only=
     if only is not None:
         learners = [p for p in learners if p.name == only]
@@ -183,6 +182,12 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="lablib-grade") as pool:
             list(pool.map(one, learners))
     return [lab for f in learners for lab in done[f]]
+
+
+def learner_folders(submissions: Path) -> list[Path]:
+    """The learner folders of ``submissions``, in order: folders, not links, not hidden."""
+    return sorted(p for p in Path(submissions).iterdir()
+                  if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
 
 
 def grade_learner(folder: Path, course: Course) -> list[LabResult]:
