@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .strategies import ring as _ring
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 BUS_FACTOR = comm.BUS_FACTOR
@@ -45,8 +44,12 @@ def _time(fn, iters):
     return times
 
 
-_LABLIB = {"all_gather": _ring.ring_all_gather, "reduce_scatter": _ring.ring_reduce_scatter,
-           "all_reduce": _ring.ring_all_reduce}
+def _lablib() -> dict:
+    """lablib's rings (lab 02's answers), imported when measured: the grading box holds no answers."""
+    from .answers import lab02
+
+    return {"all_gather": lab02.ring_all_gather, "reduce_scatter": lab02.ring_reduce_scatter,
+            "all_reduce": lab02.ring_all_reduce}
 
 
 def measure(size: int, iters: int = 5, ring=None, dtype=torch.float32) -> dict:
@@ -54,7 +57,7 @@ def measure(size: int, iters: int = 5, ring=None, dtype=torch.float32) -> dict:
     (``ring``: {op: fn}, default this module's) and for torch.distributed, plus a plain memory copy."""
     from .timeline import RECORDER
 
-    ring = ring or _LABLIB
+    ring = ring or _lablib()
     n = dist.get_world_size()
     dev = comm.torch_device()  # the GPU under NCCL; host memory under Gloo, where the link is
     elems = max(n, size // torch.tensor([], dtype=dtype).element_size() // n * n)  # a multiple of n
@@ -87,7 +90,8 @@ def learner_rings(**yours) -> tuple[dict, dict]:
     from .checks import PASSED
 
     own = {op: fn for op, fn in yours.items() if RING_TASKS[op] in PASSED}
-    return ({op: own.get(op, _LABLIB[op]) for op in OPS},
+    lablibs = _lablib()
+    return ({op: own.get(op, lablibs[op]) for op in OPS},
             {op: "yours" if op in own else "lablib's" for op in OPS})
 
 

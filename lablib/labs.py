@@ -1,9 +1,10 @@
 """The course's labs, in order: one line registers a lab.
 
-A lab is four files in known places, named from its line here:
+A lab is five files in known places, named from its line here:
     sources/<notebook>.ipynb          the solved source (labs/<notebook>.ipynb is released from it)
     lablib/checks/<checks>.py         its checks, each owning its task id
-    lablib/strategies/<name>.py       one file per strategy it builds (none for the welcome lab)
+    lablib/answers/<checks>.py        lablib's answers to its tasks, registered per task (TASKS)
+    lablib/strategies/<name>.py       the harness its tasks run in, one file per strategy (none for lab 00)
     tests/test_<checks>.py            its tests
 tests/test_layout.py holds every registered lab to this, and every notebook in sources/ to a line here.
 """

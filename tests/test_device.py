@@ -2,19 +2,22 @@
 rank jobs computing there. Without a GPU the rule is held by lablib/device_audit.py: the jobs run under a
 mode that fails on a tensor that never went through the rule (a factory with no device, a model built and
 never moved), the bug a GPU would find."""
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import lablib
 from lablib import comm
-from lablib.checks import lab00, lab01, lab02, lab03, lab04, lab05
+from lablib.checks import Check
+from lablib.labs import LABS
 from lablib.device_audit import Audit, DeviceRuleBroken, check_result
 from lablib.timeline import RECORDER
 from lablib.pool import backend
-from lablib.strategies import fsdp, pipeline as pp, pp_reference, prefetch, ring, tensor_parallel as tp
-from lablib.strategies import schedules as sc
-from lablib.strategies import tp_reference, zero
+from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, registered
+from lablib.strategies import fsdp, pp_reference, prefetch, tensor_parallel as tp
+from lablib.strategies import tp_reference
 
 
 @pytest.mark.parametrize("gpus, world_size, device, want", [
@@ -75,11 +78,6 @@ def audited():
         yield c
 
 
-def _mean(x):
-    lablib.all_reduce(x)
-    return x / dist.get_world_size()
-
-
 def _off_rule():
     x = torch.ones(4)  # no device: on a GPU, a CPU tensor
     lablib.all_reduce(x)
@@ -90,40 +88,29 @@ def test_a_job_that_breaks_the_rule_fails_under_the_audit(audited):
         audited.run(_off_rule)
 
 
-# Every rank check, with lablib's own functions, through the very jobs that run a learner's
-RANK_CHECKS = [
-    (lab00.check_mean_across_ranks, (_mean,)),
-    (lab01.check_zero1, (zero.zero1_step,)),
-    (lab01.check_zero2, (zero.zero2_step,)),
-    (lab01.check_zero3, (fsdp.unshard, fsdp.reshard)),
-    (lab02.check_ring_all_gather, (ring.ring_all_gather,)),
-    (lab02.check_ring_reduce_scatter, (ring.ring_reduce_scatter,)),
-    (lab02.check_ring_all_reduce, (ring.ring_all_reduce,)),
-    (lab03.check_hooks, tuple(getattr(prefetch.PLAIN, k) for k in ("pre_forward", "post_forward", "pre_backward",
-                                                                    "post_backward"))),
-    (lab03.check_prefetch, (prefetch.prefetch_forward, prefetch.keep_last_post_forward, prefetch.prefetch_backward)),
-    (lab03.check_overlap, (prefetch.overlap_post_backward, prefetch.overlap_finish)),
-    (lab04.check_split, (tp.shard_column, tp.shard_row, tp.row_linear)),
-    (lab04.check_mlp, (tp.mlp,)),
-    (lab04.check_attention, (tp.shard_qkv, tp.attention)),
-    (lab04.check_sp, (tp.sp_feed_forward,)),
-    (lab05.check_execute, (pp.execute,)),
-]
+# Every rank check of every lab, with lablib's answers (the registry's, by the check's parameters), through
+# the very jobs that run a learner's
+RANK_CHECKS = [(lab.checks, check) for lab in LABS
+               for check in vars(importlib.import_module(f"lablib.checks.{lab.checks}")).values()
+               if isinstance(check, Check) and not check.local]
 
 
-@pytest.mark.parametrize("check, fns", RANK_CHECKS, ids=[c.task for c, _ in RANK_CHECKS])
-def test_every_labs_rank_jobs_keep_the_device_rule(audited, check, fns):
-    check.judge(check.collect(fns, audited, None), audited.world_size, None)
+@pytest.mark.parametrize("lab, check", RANK_CHECKS, ids=[c.task for _, c in RANK_CHECKS])
+def test_every_labs_rank_jobs_keep_the_device_rule(audited, lab, check):
+    answers = {name: fn for fns in registered(lab).values() for name, fn in fns.items()}
+    data = check.collect(tuple(answers[name] for name in check.params), audited, None,
+                         *check.inputs(audited.world_size, None))
+    check.judge(data, audited.world_size, None)
 
 
 def test_the_labs_measurements_keep_the_device_rule(audited):
-    audited.run(prefetch.train, prefetch.PREFETCH, "wide8", 1, depth=1)
+    audited.run(prefetch.train, fsdp_hooks.PREFETCH, "wide8", 1, depth=1)
     audited.run(prefetch.fsdp2_train, "mlp", 1, 1)
     audited.run(fsdp.fsdp2_train, "mlp", 1)
-    audited.run(tp.block_job, tp.Fns(), 1, 0)
-    audited.run(tp.activation_bytes, "sp")
+    audited.run(tp.block_job, tp_answers.FNS, 1, 0)
+    audited.run(tp.activation_bytes, "sp", tp_answers.FNS)
     audited.run(tp_reference.dtensor_block_job, 1, 0)
-    audited.run(pp_reference.step_job, pp.execute, lambda p, m, v=1: sc.one_f_one_b(p, m), 2, 1, None, 1)
+    audited.run(pp_reference.step_job, pp_answers.execute, lambda p, m, v=1: pp_answers.one_f_one_b(p, m), 2, 1, None, 1)
     audited.run(pp_reference.torch_step_job, "1f1b", 2, 1, 1)
 
 

@@ -11,6 +11,7 @@ import lablib
 from lablib import comm
 from lablib.checks import PASSED, CheckFailed
 from lablib.checks.lab03 import check_hooks, check_overlap, check_prefetch, prefetch_expect, yours
+from lablib.answers import lab03 as answers
 from lablib.strategies import fsdp, prefetch
 from lablib.strategies.harness import reference
 
@@ -91,7 +92,7 @@ def finish(units, ctx):
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_hooked_fsdp_matches_the_reference_at_every_depth(cluster, model):
     ref = reference(model, 3, cluster.world_size)
-    for hooks, depth in ((prefetch.PLAIN, 0), (prefetch.PREFETCH, 0), (prefetch.PREFETCH, 1), (prefetch.PREFETCH, 2)):
+    for hooks, depth in ((answers.PLAIN, 0), (answers.PREFETCH, 0), (answers.PREFETCH, 1), (answers.PREFETCH, 2)):
         for rank, result in enumerate(cluster.run(prefetch.train, hooks, model, 3, depth=depth)):
             err = max((got - want).abs().max().item() for got, want in zip(result["params"], ref))
             assert err <= 1e-6, (model, depth, rank, err)
@@ -107,7 +108,7 @@ def test_fsdp2_with_prefetching_matches_the_reference(cluster):
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_prefetching_holds_depth_plus_one_units_and_follows_the_expected_log(cluster, depth):
-    results = cluster.run(prefetch.train, prefetch.PREFETCH, "transformer8", 1, depth=depth)
+    results = cluster.run(prefetch.train, answers.PREFETCH, "transformer8", 1, depth=depth)
     units = len(results[0]["unit_bytes"])
     expect = prefetch_expect(units, depth)
     for r in results:
@@ -122,8 +123,8 @@ def test_prefetching_holds_depth_plus_one_units_and_follows_the_expected_log(clu
 
 def test_prefetching_puts_communication_under_compute_on_a_simulated_link(cluster):
     link = comm.LINKS["2.5GbE"]
-    plain = prefetch.measure(cluster, prefetch.PLAIN, 0, link, model_name="transformer8", steps=1)
-    ahead = prefetch.measure(cluster, prefetch.PREFETCH, 1, link, model_name="transformer8", steps=1)
+    plain = prefetch.measure(cluster, answers.PLAIN, 0, link, model_name="transformer8", steps=1)
+    ahead = prefetch.measure(cluster, answers.PREFETCH, 1, link, model_name="transformer8", steps=1)
     assert plain["hidden"] == 0.0  # synchronous collectives never run under compute
     assert ahead["hidden"] > 0.0   # a prefetched gather is in flight while the unit before it computes
     assert all(s.meta.get("simulated") == link.name for s in ahead["timeline"].spans if s.kind == "comm")
@@ -215,8 +216,8 @@ def test_freeing_a_buffer_while_its_gather_is_in_flight_is_an_error_not_a_crash(
 # -- the checks ----------------------------------------------------------------------------------------------
 def test_right_answers_pass_every_check(cluster):
     check_hooks(pre, post, pre, post_backward, cluster)
-    check_prefetch(forward_ahead, keep_last, backward_ahead, cluster)
-    check_overlap(rs_async, finish, cluster)
+    check_prefetch(forward_ahead, keep_last, backward_ahead, post_backward, cluster)
+    check_overlap(rs_async, finish, forward_ahead, keep_last, backward_ahead, cluster)
 
 
 def _fails(check, *fns, cluster):
@@ -284,8 +285,8 @@ def test_prefetch_mistakes_are_named(cluster):
                 units[j].work = lablib.all_gather(torch.empty(ctx.world_size), torch.zeros(1), async_op=True)
         wait(units[i])
 
-    assert "must still be in flight" in _fails(check_prefetch, wait_all, keep_last, backward_ahead, cluster=cluster)
-    assert "into no unit's buffer" in _fails(check_prefetch, decoy, keep_last, backward_ahead, cluster=cluster)
+    assert "must still be in flight" in _fails(check_prefetch, wait_all, keep_last, backward_ahead, post_backward, cluster=cluster)
+    assert "into no unit's buffer" in _fails(check_prefetch, decoy, keep_last, backward_ahead, post_backward, cluster=cluster)
 
     def twice(units, i, ctx):  # no guard: a prefetched unit is gathered again when its turn comes
         for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):
@@ -299,8 +300,8 @@ def test_prefetch_mistakes_are_named(cluster):
             start(units[j])
         units[i].work.wait() if units[i].work is not None else None
 
-    assert "gathered once per use" in _fails(check_prefetch, twice, keep_last, backward_ahead, cluster=cluster)
-    assert "set unit.work = None after waiting" in _fails(check_prefetch, stale, keep_last, backward_ahead,
+    assert "gathered once per use" in _fails(check_prefetch, twice, keep_last, backward_ahead, post_backward, cluster=cluster)
+    assert "set unit.work = None after waiting" in _fails(check_prefetch, stale, keep_last, backward_ahead, post_backward,
                                                           cluster=cluster)
     def backward_the_forwards_way(units, i, ctx):
         for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):
@@ -310,10 +311,10 @@ def test_prefetch_mistakes_are_named(cluster):
     assert re.search(r"the units holding their full parameters should be \[1, 2\], yours: \[2\]\. The backward runs "
                      r"the units last to first, so at unit i prefetch_backward gathers i, i-1, \.\.\., i-depth: here "
                      r"units 2, 1\. Yours gathers the forward's way, i, i\+1, \.\.\.: at pre_backward of unit 1 it "
-                     "gathered unit 2", _fails(check_prefetch, forward_ahead, keep_last, backward_the_forwards_way,
+                     "gathered unit 2", _fails(check_prefetch, forward_ahead, keep_last, backward_the_forwards_way, post_backward,
                                                cluster=cluster))
-    assert "exactly ctx.depth" in _fails(check_prefetch, too_far, keep_last, backward_ahead, cluster=cluster)
-    assert "yours: none" in _fails(check_prefetch, forward_ahead, post, backward_ahead, cluster=cluster)
+    assert "exactly ctx.depth" in _fails(check_prefetch, too_far, keep_last, backward_ahead, post_backward, cluster=cluster)
+    assert "yours: none" in _fails(check_prefetch, forward_ahead, post, backward_ahead, post_backward, cluster=cluster)
 
 
 def test_overlap_mistakes_are_named(cluster):
@@ -321,14 +322,14 @@ def test_overlap_mistakes_are_named(cluster):
         for unit in units:
             wait(unit)
 
-    assert "unit" in _fails(check_overlap, post_backward, finish, cluster=cluster)  # synchronous: nothing in flight
-    assert "divide" in _fails(check_overlap, rs_async, no_divide, cluster=cluster)
+    assert "unit" in _fails(check_overlap, post_backward, finish, forward_ahead, keep_last, backward_ahead, cluster=cluster)  # synchronous: nothing in flight
+    assert "divide" in _fails(check_overlap, rs_async, no_divide, forward_ahead, keep_last, backward_ahead, cluster=cluster)
 
     def rebinds(units, i, ctx):  # a new tensor in unit.grad while the reduce-scatter writes into the old one
         rs_async(units, i, ctx)
         units[i].grad = units[i].grad / ctx.world_size
 
-    assert "writes into a tensor that is no longer unit.grad" in _fails(check_overlap, rebinds, no_divide,
+    assert "writes into a tensor that is no longer unit.grad" in _fails(check_overlap, rebinds, no_divide, forward_ahead, keep_last, backward_ahead,
                                                                            cluster=cluster)
 
 
@@ -349,15 +350,15 @@ def test_what_a_learner_might_try_instead_of_the_work_is_refused(cluster):
 
     with pytest.raises(CheckFailed, match="as a value"):
         check_hooks(through_a_default, post, pre, post_backward, cluster)
-    assert "can't set attribute" in _fails(check_prefetch, replay, keep_last, backward_ahead, cluster=cluster) \
-        or "has no setter" in _fails(check_prefetch, replay, keep_last, backward_ahead, cluster=cluster)
+    assert "can't set attribute" in _fails(check_prefetch, replay, keep_last, backward_ahead, post_backward, cluster=cluster) \
+        or "has no setter" in _fails(check_prefetch, replay, keep_last, backward_ahead, post_backward, cluster=cluster)
     assert "copy" in _fails(check_hooks, pre, stash, pre, post_backward, cluster=cluster)
 
 
 def test_hidden_checks_train_other_weights_and_data(cluster):
     assert not torch.equal(reference("mlp", 3, 2, seed=7)[0], reference("mlp", 3, 2)[0])
     check_hooks(pre, post, pre, post_backward, cluster, seed=7)
-    check_overlap(rs_async, finish, cluster, seed=7)
+    check_overlap(rs_async, finish, forward_ahead, keep_last, backward_ahead, cluster, seed=7)
 
 
 def test_untraced_collectives_are_refused():
@@ -375,11 +376,11 @@ def test_untraced_collectives_are_refused():
 def test_yours_uses_a_learners_hooks_only_once_their_check_passed(capsys):
     PASSED.discard("Task 3.1")
     plain, ahead = yours(pre_forward=pre, post_forward=post, pre_backward=pre, post_backward=post_backward)
-    assert plain == prefetch.PLAIN and "lablib's functions (Task 3.1" in capsys.readouterr().out
+    assert plain == answers.PLAIN and "lablib's functions (Task 3.1" in capsys.readouterr().out
     PASSED.add("Task 3.1")
     try:
         plain, ahead = yours(pre_forward=pre, post_forward=post, pre_backward=pre, post_backward=post_backward)
-        assert plain.pre_forward is pre and ahead.pre_forward is prefetch.prefetch_forward
+        assert plain.pre_forward is pre and ahead.pre_forward is answers.prefetch_forward
         assert "your functions of Task 3.1; lablib's for Task 3.2, Task 3.3" in capsys.readouterr().out
     finally:
         PASSED.discard("Task 3.1")

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 import lablib
 from lablib import comm
 from lablib.checks import PASSED, TRIED, CheckFailed
-from lablib.checks.lab04 import (check_attention, check_mlp, check_sp, check_split, judge_attention, judge_mlp,
+from lablib.checks.lab04 import (check_attention, given_shards, check_mlp, check_sp, check_split, judge_attention, judge_mlp,
                                  judge_sp, judge_split, yours)
+from lablib.answers import lab04 as answers
 from lablib.strategies import tensor_parallel as tp
 from lablib.strategies import tp_reference as ref
 
@@ -292,11 +293,12 @@ def mlp_dist_in_a_class(x, w1, b1, w2, b2):
 # -- lablib's own pieces -------------------------------------------------------------------------------------
 def test_lablibs_pieces_match_the_reference_and_dtensor(cluster):
     pool, n = cluster, cluster.world_size
-    judge_split(pool.run(ref.split_job, tp.shard_column, tp.shard_row, tp.row_linear), n, None)
-    for judge, job, fns in ((judge_mlp, ref.mlp_job, (tp.mlp,)), (judge_attention, ref.attention_job,
-                                                                 (tp.shard_qkv, tp.attention)),
-                            (judge_sp, ref.sp_job, (tp.sp_feed_forward,))):
-        text = judge(pool.run(job, *fns), n, None)
+    judge_split(pool.run(ref.split_job, answers.shard_column, answers.shard_row, answers.row_linear), n, None)
+    shards = given_shards(n, None)
+    for judge, job, fns in ((judge_mlp, ref.mlp_job, (answers.tp_mlp,)),
+                            (judge_attention, ref.attention_job, (answers.shard_qkv, answers.tp_attention)),
+                            (judge_sp, ref.sp_job, (answers.sp_feed_forward,))):
+        text = judge(pool.run(job, *fns, shards), n, None)
         assert "DTensor" in text and "max difference" in text
         diff = float(text.split("max difference ")[1].split(")")[0])
         assert 0 <= diff <= 1e-5  # DTensor ran and agreed
@@ -364,18 +366,18 @@ def test_library_shortcuts_are_refused(cluster):
 
 
 def test_hidden_checks_draw_other_weights_and_inputs(cluster):
-    a, b = (cluster.run(ref.mlp_job, tp.mlp, seed, False)[0] for seed in (None, 5))
-    assert (a["out"] - b["out"]).abs().max() > 0.1
     n = cluster.world_size
-    assert "match" in judge_mlp(cluster.run(ref.mlp_job, tp.mlp, 5), n, 5)
+    a, b = (cluster.run(ref.mlp_job, answers.tp_mlp, given_shards(n, seed), seed, False)[0] for seed in (None, 5))
+    assert (a["out"] - b["out"]).abs().max() > 0.1
+    assert "match" in judge_mlp(cluster.run(ref.mlp_job, answers.tp_mlp, given_shards(n, 5), 5), n, 5)
     with pytest.raises(CheckFailed):  # judged against another seed's reference, the same answers fail
-        judge_mlp(cluster.run(ref.mlp_job, tp.mlp, 5), n, None)
+        judge_mlp(cluster.run(ref.mlp_job, answers.tp_mlp, given_shards(n, 5), 5), n, None)
 
 
 # -- what the notebook measures -------------------------------------------------------------------------------
 def test_the_blocks_timeline_has_its_all_reduces_on_the_critical_path(cluster):
     steps = 2
-    results = cluster.run(tp.block_job, tp.Fns(), steps)
+    results = cluster.run(tp.block_job, answers.FNS, steps)
     timeline = cluster.timeline()
     assert all(len(r["seconds"]) == steps for r in results)
     for rank in range(cluster.world_size):
@@ -393,13 +395,13 @@ def test_the_blocks_timeline_has_its_all_reduces_on_the_critical_path(cluster):
 
 
 def test_dtensor_block_runs_the_same_block(cluster):
-    ours = cluster.run(tp.block_job, tp.Fns(), 1, 0)
+    ours = cluster.run(tp.block_job, answers.FNS, 1, 0)
     theirs = cluster.run(ref.dtensor_block_job, 1, 0)
     assert len(ours[0]["seconds"]) == len(theirs[0]["seconds"]) == 1
 
 
 def test_sequence_parallelism_saves_less_activation_memory_per_rank(cluster):
-    tp_only, sp = (max(cluster.run(tp.activation_bytes, mode)) for mode in ("tp", "sp"))
+    tp_only, sp = (max(cluster.run(tp.activation_bytes, mode, answers.FNS)) for mode in ("tp", "sp"))
     assert 0 < sp < tp_only
 
 
@@ -409,10 +411,10 @@ def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
         TRIED.discard(task)
     TRIED.add("Task 4.3")  # its check ran and failed
     fns = yours(tp_mlp=tp_mlp, tp_attention=tp_attention)
-    assert fns.mlp is tp.mlp and fns.attention is tp.attention and fns.sp is tp.sp_feed_forward
+    assert fns.mlp is answers.tp_mlp and fns.attention is answers.tp_attention and fns.sp is answers.sp_feed_forward
     PASSED.add("Task 4.4")
     fns = yours(tp_mlp=tp_mlp, sp_feed_forward=sp_feed_forward)
-    assert fns.mlp is tp.mlp and fns.sp is sp_feed_forward
+    assert fns.mlp is answers.tp_mlp and fns.sp is sp_feed_forward
     assert ("your functions of Task 4.4; lablib's for Task 4.2, Task 4.3 (Task 4.2: check not run yet in this kernel; "
             "Task 4.3: check failed)") in capsys.readouterr().out
     with pytest.raises(TypeError):

@@ -15,6 +15,8 @@ import lablib
 from lablib.checks import PASSED, CheckFailed
 from lablib.checks.lab05 import (_bank, check_advanced, check_execute, check_simple, check_validate, judge_execute,
                                  yours)
+from lablib.answers import lab05 as answers
+from lablib.checks.lab05 import given_plans
 from lablib.strategies import pipeline as pp
 from lablib.strategies import schedules as sc
 from lablib.strategies import pp_reference as ref
@@ -240,20 +242,20 @@ def not_done(*args):
 def test_lablibs_schedules_leave_the_papers_bubble_and_hold_the_papers_memory(p, m):
     unit = {"F": 1, "BW": 2, "B": 1, "W": 1}
     for name in ("gpipe", "1f1b"):
-        acts = sc.SCHEDULES[name](p, m)
-        assert sc.validate(acts, m) is None
+        acts = answers.SCHEDULES[name](p, m)
+        assert answers.validate(acts, m) is None
         assert sc.bubble(sc.simulate(acts, unit)) == pytest.approx(sc.theory(name, p, m))
-    assert sc.in_flight(sc.gpipe(p, m)) == [m] * p
-    assert sc.in_flight(sc.one_f_one_b(p, m)) == [min(m, p - r) for r in range(p)]
-    zb = sc.zb_h1(p, m)
-    assert sc.validate(zb, m) is None and max(sc.in_flight(zb)) <= p
+    assert sc.in_flight(answers.gpipe(p, m)) == [m] * p
+    assert sc.in_flight(answers.one_f_one_b(p, m)) == [min(m, p - r) for r in range(p)]
+    zb = answers.zb_h1(p, m)
+    assert answers.validate(zb, m) is None and max(sc.in_flight(zb)) <= p
     if m >= p:  # the paper's formula assumes the pipeline fills
         assert sc.bubble(sc.simulate(zb, unit)) == pytest.approx(sc.theory("zb-h1", p, m))
         assert sc.bubble(sc.simulate(zb, unit)) < sc.theory("1f1b", p, m)
     if m % p == 0:
         for v in (2, 3):
-            acts = sc.interleaved(p, m, v)
-            assert sc.validate(acts, m, v) is None
+            acts = answers.interleaved(p, m, v)
+            assert answers.validate(acts, m, v) is None
             times = {k: t / v for k, t in unit.items()}
             assert sc.bubble(sc.simulate(acts, times, v)) == pytest.approx(sc.theory("interleaved", p, m, v))
 
@@ -264,26 +266,26 @@ def test_the_validator_names_the_first_action_that_cannot_run():
             "a backward before its own forward": (0, 2), "a W before its B": (0, 2),
             "a micro-batch out of range": (0, 1), "a micro-batch out of range, listed twice": (1, 1)}
     for schedule, m, v, what in _bank():
-        problem = sc.validate(schedule, m, v)
+        problem = answers.validate(schedule, m, v)
         if what in want:
             assert problem is not None and (problem.rank, problem.index) == want[what], (what, problem)
             assert problem.reason
         else:
             assert problem is None, (what, problem)
     deadlock = _bank()[7][0]
-    assert "can never start: it needs B0 of stage 1" in sc.validate(deadlock, 2).reason
+    assert "can never start: it needs B0 of stage 1" in answers.validate(deadlock, 2).reason
     # the explanation goes to the root: rank 1's B0 waits for its own F0, listed after it
-    own = sc.validate(_bank()[8][0], 2).reason
+    own = answers.validate(_bank()[8][0], 2).reason
     assert own.endswith("it needs B0 of stage 1 (rank 1's action 0), which needs F0 of stage 1 (rank 1's action 1), "
                         "which rank 1 reaches only after B0 of stage 1, named above: a cycle, so none of these ever "
                         "starts"), own
     with pytest.raises(ValueError, match=r"the schedule\[0\]\[1\] is 'F0'"):
-        sc.validate([[("F", 0, 0), "F0"]], 1)
+        answers.validate([[("F", 0, 0), "F0"]], 1)
 
 
 def test_interleaved_needs_groups_of_p():
     with pytest.raises(ValueError, match="does not divide by p"):
-        sc.interleaved(4, 6, 2)
+        answers.interleaved(4, 6, 2)
 
 
 # -- the Stage ------------------------------------------------------------------------------------------------------
@@ -319,7 +321,7 @@ def test_a_split_backward_gives_the_full_backwards_gradients_and_memory_is_count
 
 # -- on the ranks ---------------------------------------------------------------------------------------------------
 def test_lablibs_executor_matches_one_process_and_torch_pipelining(cluster):
-    text = judge_execute(cluster.run(ref.execute_job, pp.execute, None, True), cluster.world_size, None)
+    text = judge_execute(cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, None), None, True), cluster.world_size, None)
     assert "torch.distributed.pipelining" in text
     diff = float(text.split("max difference ")[1].split(")")[0])
     assert 0 <= diff <= 1e-5
@@ -407,14 +409,14 @@ def test_library_shortcuts_are_refused():
         with pytest.raises(CheckFailed, match=why):
             check_execute(fn, world_size=2, seed=1)
     with pytest.raises(CheckFailed, match="lablib's own"):
-        check_simple(sc.gpipe, one_f_one_b)
+        check_simple(answers.gpipe, one_f_one_b)
 
 
 def test_hidden_checks_draw_other_schedules_and_weights(cluster):
-    a, b = (cluster.run(ref.execute_job, pp.execute, seed, False)[0]["1f1b"]["grads"]["0"][0] for seed in (None, 5))
+    a, b = (cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, seed), seed, False)[0]["1f1b"]["grads"]["0"][0] for seed in (None, 5))
     assert (a - b).abs().max() > 1e-3
     with pytest.raises(CheckFailed):  # judged against another seed's reference, the same gradients fail
-        judge_execute(cluster.run(ref.execute_job, pp.execute, 5, False), cluster.world_size, None)
+        judge_execute(cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, 5), 5, False), cluster.world_size, None)
 
 
 # -- what the notebook measures ------------------------------------------------------------------------------------
@@ -433,7 +435,7 @@ def test_a_measured_run_splits_its_step_and_draws_its_messages(cluster):
     assert len(tl.messages()) == 2 * 4 * (p - 1)  # each micro-batch's activation and gradient across p-1 boundaries
     for send, recv in tl.messages():
         assert send.meta["tag"] == recv.meta["tag"] and recv.rank == send.meta["peer"]
-    assert view.plan_figure(sc.zb_h1(p, 4)).data and view.timelines([run, run]).data
+    assert view.plan_figure(answers.zb_h1(p, 4)).data and view.timelines([run, run]).data
     assert "1F1B" in view.table([run])
 
 
@@ -441,7 +443,7 @@ def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
     for task in ("Task 5.1", "Task 5.2", "Task 5.3", "Task 5.4"):
         PASSED.discard(task)
     fns = yours(gpipe=gpipe, execute=execute)
-    assert fns["execute"] is pp.execute and fns["gpipe"](2, 2) == sc.gpipe(2, 2)
+    assert fns["execute"] is answers.execute and fns["gpipe"](2, 2) == answers.gpipe(2, 2)
     PASSED.add("Task 5.4")
     fns = yours(gpipe=gpipe, execute=execute)
     assert fns["execute"] is execute
@@ -552,7 +554,7 @@ def test_a_rank_counts_the_activations_of_all_its_stages(cluster):
     p = cluster.world_size
     run = view.measure(cluster, yours(), "interleaved", p, 2, cost=0.001, repeats=1)
     # v = 2 stages of half the layers each: half a micro-batch's activations per (micro-batch, stage) held
-    assert [b / run["per_mb"] for b in run["peak"]] == [k / 2 for k in sc.in_flight(sc.interleaved(p, p, 2))]
+    assert [b / run["per_mb"] for b in run["peak"]] == [k / 2 for k in sc.in_flight(answers.interleaved(p, p, 2))]
 
 
 def test_a_judge_checks_a_shape_before_it_computes_with_it(cluster):
@@ -560,7 +562,7 @@ def test_a_judge_checks_a_shape_before_it_computes_with_it(cluster):
     gigabytes of the grader's memory computing with it. It is refused by its shape, with no memory spent."""
     import resource
 
-    data = cluster.run(ref.execute_job, pp.execute, None, False)
+    data = cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, None), None, False)
     name = ref.CHECKED[0][0]
     stage = sorted(data[0][name]["grads"])[0]
     data[0][name]["grads"][stage][0] = torch.zeros(500_000, 1, 1)

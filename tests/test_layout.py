@@ -1,5 +1,5 @@
 """lablib's shape: no import circles, rank-side code never pulls in the notebook side (plotly, ipywidgets),
-and every lab is its four files."""
+and every lab is its five files."""
 import ast
 import subprocess
 import sys
@@ -96,15 +96,29 @@ def test_rank_side_modules_never_import_the_notebook_side():
     assert out.stdout.splitlines()[1:] in ([], [""]), out.stdout
 
 
-def test_every_lab_is_its_four_files_and_every_source_is_registered():
+def test_every_lab_is_its_five_files_and_every_source_is_registered():
     for lab in LABS:
         assert (ROOT / "sources" / f"{lab.notebook}.ipynb").exists(), lab
         assert (ROOT / "labs" / f"{lab.notebook}.ipynb").exists(), f"{lab}: run `lablib release`"
         assert (PACKAGE / "checks" / f"{lab.checks}.py").exists(), lab
+        assert (PACKAGE / "answers" / f"{lab.checks}.py").exists(), lab
         assert (ROOT / "tests" / f"test_{lab.checks}.py").exists(), lab
         for strategy in lab.strategies:
             assert (PACKAGE / "strategies" / f"{strategy}.py").exists(), (lab, strategy)
     assert sorted(p.stem for p in (ROOT / "sources").glob("*.ipynb")) == [lab.notebook for lab in LABS]
+
+
+def test_nothing_but_the_answers_imports_them_when_imported():
+    """lablib.answers is imported by no module at its top level but the answers themselves: a judge, a view or
+    a measurement imports them when it runs (the grading box, which has none, imports the rest)."""
+    for name, path in _modules().items():
+        if name.startswith("lablib.answers"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # top-level statements only: imports inside functions run when called
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}"] + [a.name for a in node.names] if isinstance(node, ast.ImportFrom) and node.module else []
+            assert not any("answers" in n for n in found), f"{name} imports lablib's answers at its top level"
 
 
 def test_no_file_in_lablib_is_over_400_lines():

@@ -91,7 +91,7 @@ def test_figure_has_two_lanes_per_rank_ops_in_colour_and_the_numbers_under_it(cl
 
 
 def _ring_messages():
-    from lablib.strategies.ring import ring_all_gather
+    from lablib.answers.lab02 import ring_all_gather
 
     lablib.barrier()
     n = dist.get_world_size()

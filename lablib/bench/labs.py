@@ -35,12 +35,13 @@ def p3_collectives(s: Settings) -> list[Row]:
 
 
 def p4_fsdp(s: Settings) -> list[Row]:
+    from ..answers.lab03 import PREFETCH
     from ..strategies import prefetch
 
     rows = []
     for n in (2, 4):
         ours, theirs = side_by_side(
-            s, n, lambda c: prefetch.step_seconds(c.run(prefetch.train, prefetch.PREFETCH, "wide8", 3, depth=1,
+            s, n, lambda c: prefetch.step_seconds(c.run(prefetch.train, PREFETCH, "wide8", 3, depth=1,
                                                         warmup=1)) * 1e3,
             lambda c: prefetch.step_seconds(c.run(prefetch.fsdp2_train, "wide8", 3, 1, 1)) * 1e3)
         row = Row("P4", f"FSDP step with prefetch (lab 03's solution), wide8, {n} ranks", "ms", ours, theirs,
@@ -52,13 +53,14 @@ def p4_fsdp(s: Settings) -> list[Row]:
 
 def p5_hidden(s: Settings) -> list[Row]:
     from .. import comm
+    from ..answers.lab03 import PREFETCH
     from ..strategies import prefetch
 
     link = comm.LINKS["2.5GbE"]
     rows = []
     for n in (2, 4):
-        sim, real = side_by_side(s, n, lambda c: prefetch.measure(c, prefetch.PREFETCH, 1, link, steps=3)["hidden"] * 100,
-                                  lambda c: prefetch.measure(c, prefetch.PREFETCH, 1, None, steps=3)["hidden"] * 100)
+        sim, real = side_by_side(s, n, lambda c: prefetch.measure(c, PREFETCH, 1, link, steps=3)["hidden"] * 100,
+                                  lambda c: prefetch.measure(c, PREFETCH, 1, None, steps=3)["hidden"] * 100)
         row = Row("P5", f"communication hidden under compute, prefetch depth 1, wide8, {n} ranks, simulated "
                   f"{link.name}", "%", sim, real, "the same on raw Gloo (measured)", ">= 80 % (simulated link)")
         row.met = statistics.median(sim) >= 80
@@ -67,13 +69,14 @@ def p5_hidden(s: Settings) -> list[Row]:
 
 
 def p9_tensor(s: Settings) -> list[Row]:
+    from ..answers.lab04 import FNS
     from ..strategies import tensor_parallel as tp
     from ..strategies import tp_reference as ref
     from ..strategies.prefetch import step_seconds
 
     rows = []
     for n in (2, 4):
-        ours, theirs = side_by_side(s, n, lambda c: step_seconds(c.run(tp.block_job, tp.Fns(), 3)) * 1e3,
+        ours, theirs = side_by_side(s, n, lambda c: step_seconds(c.run(tp.block_job, FNS, 3)) * 1e3,
                                      lambda c: step_seconds(c.run(ref.dtensor_block_job, 3)) * 1e3)
         row = Row("P9", f"tensor-parallel block forward+backward (lab 04's solution), width 256, 512 tokens, {n} ranks",
                   "ms", ours, theirs, "DTensor Colwise/RowwiseParallel, same block", "<= 1.2 x")
@@ -87,15 +90,14 @@ def p6_pipeline(s: Settings) -> list[Row]:
     compute, 2 ranks); then the measured bubble of every schedule against the papers' formula, over m,
     at 2 ranks with real compute and at 4 with simulated compute (its step's breakdown, views.pipeline)."""
     from ..checks.lab05 import yours
-    from ..strategies import pipeline as pp
-    from ..strategies import schedules as sc
+    from ..answers import lab05 as sc
     from ..strategies import pp_reference as ref
     from ..views import pipeline as view
 
     m = 8
     one_f_one_b = lambda p, m, v=1: sc.one_f_one_b(p, m)  # noqa: E731
     ours, theirs = side_by_side(
-        s, 2, lambda c: statistics.median(c.run(ref.step_job, pp.execute, one_f_one_b, m, 1, None, 3)[0]["seconds"]) * 1e3,
+        s, 2, lambda c: statistics.median(c.run(ref.step_job, sc.execute, one_f_one_b, m, 1, None, 3)[0]["seconds"]) * 1e3,
         lambda c: statistics.median(c.run(ref.torch_step_job, "1f1b", m)[0]) * 1e3)
     row = Row("P6", f"1F1B step (lab 05's executor), 8 blocks of width {ref.REAL['width']}, m={m} micro-batches of "
               f"{ref.REAL['rows_per_mb']} rows, 2 ranks", "ms", ours, theirs, "torch.distributed.pipelining Schedule1F1B",

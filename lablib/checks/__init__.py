@@ -6,13 +6,16 @@ Every check has the same shape:
 - ``judge``, pure, compares that data with a reference it computes itself and returns the success
   line, or raises ``CheckFailed`` with what differed and the likely cause.
 In the notebook a check does both (``check_zero1(zero1_step, cluster)``). ``lablib grade`` runs only
-``collect``, in a box, with the learner's exercise code, and judges the data outside the box. Before
+``collect``, in a box, with the learner's exercise code, and judges the data outside the box. A collect
+step never runs lablib's answers (``lablib.answers``, which the box does not hold): what it needs of them
+(a schedule to execute, a weight's shard) it is given as data, ``Check.given``, computed outside. Before
 either, the learner's functions are read (policy.py): ``None``, lablib's own functions and code that
 reaches for the answers are refused with a reason. A failed check raises ``CheckFailed`` (an
 AssertionError), so the check cell fails under nbval too.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from contextlib import contextmanager
@@ -31,6 +34,12 @@ class CheckFailed(AssertionError):
 
 PASSED: set[str] = set()  # tasks whose check passed in this process (a lab can then use the learner's code)
 TRIED: set[str] = set()  # tasks whose check ran in this process, passed or not
+
+
+def answers(lab: str):
+    """lablib's answers to lab ``lab``'s tasks (``lablib.answers.<lab>``), for a judge or a notebook-side
+    measurement: imported when called, as a collect step in the grading box would find no such module."""
+    return importlib.import_module(f"lablib.answers.{lab}")
 
 
 def whose(fns: Mapping, tasks: Mapping[str, str], doing: str = "Measuring") -> set[str]:
@@ -186,6 +195,12 @@ class Check:
     world_sizes: tuple = (4,)              # checked when no cluster is given; () runs in this process
     forbidden: Mapping[str, str] = field(default_factory=dict)
     every_size: bool = False               # with a cluster, check every one of world_sizes anyway
+    given: Callable | None = None          # given(world_size, seed) -> plain data collect gets as its 4th
+                                           # argument: what it needs of lablib's answers, computed outside the box
+
+    def inputs(self, world_size, seed) -> tuple:
+        """collect's arguments after (fns, pool, seed): the given data, if the check has any."""
+        return () if self.given is None else (self.given(world_size, seed),)
 
     @property
     def local(self) -> bool:
@@ -216,7 +231,8 @@ class Check:
             TRIED.add(self.task)
             with pools(cluster, sizes) as ranks:
                 for size, pool in zip(sizes, ranks):
-                    passed(self.task, self.judge(self.collect(fns, pool, seed), size, seed))
+                    data = self.collect(fns, pool, seed, *self.inputs(size, seed))
+                    passed(self.task, self.judge(data, size, seed))
             PASSED.add(self.task)
         except NotDone as exc:
             if strict():

@@ -12,7 +12,7 @@ from ..strategies.fsdp import ZeRO3
 from ..strategies.harness import Optimizer, reference, train
 from ..strategies.zero import ZeRO1, ZeRO2
 from ..toy import build_model
-from . import Check, CheckFailed, call_local, params_error, run_on_ranks
+from . import Check, CheckFailed, answers, call_local, params_error, run_on_ranks
 
 # -- Task 1.1: a rank's flat shard ---------------------------------------------------------------------
 def flat_cases(seed: int | None = None) -> list[tuple[int, int]]:
@@ -97,7 +97,7 @@ def judge_shard_slices(data, world_size=None, seed=None, task="Task 1.2") -> str
         if not isinstance(per_rank, list) or len(per_rank) != n:
             raise CheckFailed(f"{task}: expected the slices of {n} ranks for {numels}.")
         for rank, got in enumerate(per_rank):
-            want = [(s.param, s.param_start, s.shard_start, s.length) for s in layout.shard_slices(rank)]
+            want = answers("lab01").shard_slices(numels, n, rank)
             try:
                 got = [tuple(int(v) for v in item) for item in got]
             except (TypeError, ValueError):

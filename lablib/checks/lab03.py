@@ -10,7 +10,7 @@ import traceback
 from .. import comm
 from ..strategies import prefetch
 from ..strategies.harness import Optimizer, reference
-from . import Check, CheckFailed, params_error, run_on_ranks
+from . import Check, CheckFailed, answers, params_error, run_on_ranks
 
 MODELS, STEPS = ("mlp", "transformer"), 3
 # Exercises call lablib's traced collectives, so the timeline shows them; torch.distributed's own are
@@ -244,8 +244,8 @@ def prefetch_expect(units: int, d: int, last_kept: bool = True):
 
 
 def collect_prefetch(fns, pool, seed):
-    fwd, post_f, bwd = fns
-    hooks = prefetch.Hooks(fwd, post_f, bwd, prefetch.post_backward)
+    fwd, post_f, bwd, post_b = fns  # the backward's reduce-scatters: the learner's Task 3.1 post_backward
+    hooks = prefetch.Hooks(fwd, post_f, bwd, post_b)
     return run_on_ranks(pool, "Task 3.2", hooks_job, hooks, DEPTHS, seed, hints=_RANK_HINTS)
 
 
@@ -264,9 +264,10 @@ def judge_prefetch(data, world_size, seed) -> str:
             "ctx.depth units early and waited for just before it computes; the values match the reference")
 
 
-check_prefetch = Check("Task 3.2", ("prefetch_forward", "keep_last_post_forward", "prefetch_backward"),
+check_prefetch = Check("Task 3.2", ("prefetch_forward", "keep_last_post_forward", "prefetch_backward", "post_backward"),
                        collect_prefetch, judge_prefetch, world_sizes=(4,), forbidden=_TRACED)
-"""Task 3.2: forward and backward prefetching, ctx.depth units ahead; the last unit kept after forward."""
+"""Task 3.2: forward and backward prefetching, ctx.depth units ahead; the last unit kept after forward. It
+runs with the learner's post_backward of Task 3.1 (lablib's answers are not in the grading box)."""
 
 
 # -- Task 3.3: reduce-scatters under the backward ------------------------------------------------------------
@@ -285,9 +286,8 @@ def overlap_expect(units: int, d: int = 1):
 
 
 def collect_overlap(fns, pool, seed):
-    post_b, finish = fns
-    hooks = prefetch.Hooks(prefetch.prefetch_forward, prefetch.keep_last_post_forward, prefetch.prefetch_backward,
-                           post_b, finish)
+    post_b, finish, fwd, post_f, bwd = fns  # with the learner's prefetching hooks of Task 3.2
+    hooks = prefetch.Hooks(fwd, post_f, bwd, post_b, finish)
     return run_on_ranks(pool, "Task 3.3", hooks_job, hooks, (1,), seed, hints=_RANK_HINTS)
 
 
@@ -305,9 +305,11 @@ def judge_overlap(data, world_size, seed) -> str:
             "before it, finish collects them, and the values match the reference")
 
 
-check_overlap = Check("Task 3.3", ("overlap_post_backward", "finish"), collect_overlap, judge_overlap,
-                      world_sizes=(4,), forbidden=_TRACED)
-"""Task 3.3: each unit's reduce-scatter left running under the backward of the units before it."""
+check_overlap = Check("Task 3.3", ("overlap_post_backward", "finish", "prefetch_forward", "keep_last_post_forward",
+                                   "prefetch_backward"), collect_overlap, judge_overlap, world_sizes=(4,),
+                      forbidden=_TRACED)
+"""Task 3.3: each unit's reduce-scatter left running under the backward of the units before it, with the
+learner's prefetching hooks of Task 3.2."""
 
 
 # -- the notebook's measurements run the learner's hooks once they have passed ---------------------------
@@ -323,12 +325,8 @@ def yours(**fns) -> tuple[prefetch.Hooks, prefetch.Hooks]:
     from . import whose
 
     mine = whose(fns, _TASKS)
-    lablibs = {**{k: getattr(prefetch.PLAIN, k) for k in ("pre_forward", "post_forward", "pre_backward",
-                                                          "post_backward")},
-               "prefetch_forward": prefetch.prefetch_forward, "keep_last_post_forward": prefetch.keep_last_post_forward,
-               "prefetch_backward": prefetch.prefetch_backward, "overlap_post_backward": prefetch.overlap_post_backward,
-               "finish": prefetch.overlap_finish}
-    chosen = {k: fns[k] if k in mine else f for k, f in lablibs.items()}
+    lablibs = answers("lab03")
+    chosen = {k: fns[k] if k in mine else getattr(lablibs, k) for k in _TASKS}
     plain = prefetch.Hooks(chosen["pre_forward"], chosen["post_forward"], chosen["pre_backward"], chosen["post_backward"])
     ahead = prefetch.Hooks(chosen["prefetch_forward"], chosen["keep_last_post_forward"], chosen["prefetch_backward"],
                            chosen["overlap_post_backward"], chosen["finish"])

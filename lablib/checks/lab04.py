@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..strategies import tensor_parallel as tp
 from ..strategies import tp_reference as ref
-from . import Check, CheckFailed, run_on_ranks
+from . import Check, CheckFailed, answers, run_on_ranks, whose
 
 TOL = 1e-5
 _ACT = ref.B * ref.T * ref.WIDTH * 4  # bytes of a check's (3, 8, 32) fp32 activations
@@ -145,7 +145,7 @@ def judge_split(data, world_size, seed) -> str:
     with torch.no_grad():
         full2 = ff.fc2(h)
     for r, got in enumerate(data):
-        want_w1, want_b1 = tp.shard_column(w1, b1, r, n)
+        want_w1, want_b1 = answers("lab04").shard_column(w1, b1, r, n)
         if _err(got["w1"], w1.chunk(n, 1)[r]) == 0.0:
             raise CheckFailed(f"{task}: shard_column split fc1.weight along dim 1. A Linear's weight is (out_features, "
                               "in_features): the columns of A in Y = X A are the weight's rows, so a column-parallel "
@@ -165,7 +165,7 @@ def judge_split(data, world_size, seed) -> str:
         _close(task, f"rank {r}'s column-parallel output", got["column"], F.linear(x, want_w1, want_b1), "")
         lw1, lb1 = tp.leaves(w1, b1)
         (F.linear(x, lw1, lb1) * dy).sum().backward()
-        for what, g, want in zip(("weight", "bias"), got["column_grads"], tp.shard_column(lw1.grad, lb1.grad, r, n)):
+        for what, g, want in zip(("weight", "bias"), got["column_grads"], answers("lab04").shard_column(lw1.grad, lb1.grad, r, n)):
             _close(task, f"rank {r}'s gradient of its fc1 {what} shard", g, want,
                    "A column-parallel shard's gradient is the same slice of the whole layer's gradient.")
         _ops(task, f"rank {r}'s row_linear", got["row_ops"], [("all_reduce", _ACT)],
@@ -184,8 +184,12 @@ check_split = Check("Task 4.1", ("shard_column", "shard_row", "row_linear"), col
 
 
 # -- Task 4.2: f and g, the tensor-parallel MLP -----------------------------------------------------------
-def collect_mlp(fns, pool, seed):
-    return run_on_ranks(pool, "Task 4.2", ref.mlp_job, *fns, seed, seed is None, hints=_RANK_HINTS)
+def given_shards(world_size, seed) -> list[dict]:  # per rank, the layers' shards, by lablib's answers
+    return answers("lab04").shards(*ref.layers(seed or 0), world_size)
+
+
+def collect_mlp(fns, pool, seed, shards):
+    return run_on_ranks(pool, "Task 4.2", ref.mlp_job, *fns, shards, seed, seed is None, hints=_RANK_HINTS)
 
 
 _NAMES = ("the input's gradient", "fc1's weight-shard gradient", "fc1's bias-shard gradient",
@@ -199,8 +203,8 @@ _SWAPPED = ("is what f and g swapped give: Copy (f) all-reduced the input in its
 
 def _swapped(model, x, r, n):
     """Rank r's MLP output with f and g swapped: fc1 of the summed (n times) input, fc2's partial product."""
-    w1, b1 = tp.shard_column(model.fc1.weight.detach(), model.fc1.bias.detach(), r, n)
-    w2, b2 = tp.shard_row(model.fc2.weight.detach(), model.fc2.bias.detach(), r, n)
+    w1, b1 = answers("lab04").shard_column(model.fc1.weight.detach(), model.fc1.bias.detach(), r, n)
+    w2, b2 = answers("lab04").shard_row(model.fc2.weight.detach(), model.fc2.bias.detach(), r, n)
     return F.linear(F.gelu(F.linear(n * x, w1, b1)), w2) + b2
 
 
@@ -230,7 +234,7 @@ def judge_mlp(data, world_size, seed) -> str:
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)],
              "The backward all-reduces once, in f (Copy.backward), the input's gradient; g's backward "
              "(Reduce.backward) passes the gradient through.")
-        wants = [gx, *tp.shard_column(g1, gb1, r, n), *tp.shard_row(g2, gb2, r, n)]
+        wants = [gx, *answers("lab04").shard_column(g1, gb1, r, n), *answers("lab04").shard_row(g2, gb2, r, n)]
         for name, g, want in zip(_NAMES, got["grads"], wants):
             hint = ("Each rank's input gradient is a partial sum over its features: f's backward (Copy.backward) "
                     "must all-reduce it." if name == _NAMES[0] else "")
@@ -242,13 +246,13 @@ def judge_mlp(data, world_size, seed) -> str:
 
 
 check_mlp = Check("Task 4.2", ("tp_mlp",), collect_mlp, judge_mlp, world_sizes=(2, 4), forbidden=FORBIDDEN,
-                  every_size=True)
+                  every_size=True, given=given_shards)
 """Task 4.2: Megatron's f and g as autograd Functions, and the MLP column- then row-parallel."""
 
 
 # -- Task 4.3: attention, split by heads -------------------------------------------------------------------
-def collect_attention(fns, pool, seed):
-    return run_on_ranks(pool, "Task 4.3", ref.attention_job, *fns, seed, seed is None, hints=_RANK_HINTS)
+def collect_attention(fns, pool, seed, shards):
+    return run_on_ranks(pool, "Task 4.3", ref.attention_job, *fns, shards, seed, seed is None, hints=_RANK_HINTS)
 
 
 def _core(att, causal: bool = True):
@@ -287,7 +291,7 @@ def judge_attention(data, world_size, seed) -> str:
         untransposed = _untransposed(att, x, n)
     worst = dtensor = 0.0
     for r, got in enumerate(data):
-        want_w, want_b = tp.shard_qkv(w, b, r, n)
+        want_w, want_b = answers("lab04").shard_qkv(w, b, r, n)
         if _err(got["wqkv"], w.chunk(n, 0)[r]) == 0.0:
             raise CheckFailed(f"{task}: rank {r}'s shard_qkv took a contiguous block of the fused weight's rows. Its "
                               "rows are [Q; K; V], each for all heads, so that block is not this rank's heads (rank "
@@ -317,7 +321,7 @@ def judge_attention(data, world_size, seed) -> str:
                                                   "numbers in each row. Transpose it, y.transpose(1, 2), then "
                                                   "reshape.")]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_reduce", _ACT)], "f's backward all-reduces the input's gradient.")
-        wants = [gx, *tp.shard_qkv(gq, gbq, r, n), *tp.shard_row(go, gbo, r, n)]
+        wants = [gx, *answers("lab04").shard_qkv(gq, gbq, r, n), *answers("lab04").shard_row(go, gbo, r, n)]
         names = ("the input's gradient", "the QKV weight-shard gradient", "the QKV bias-shard gradient",
                  "the output projection's weight-shard gradient", "the output projection's bias gradient")
         for name, g, want in zip(names, got["grads"], wants):
@@ -330,13 +334,13 @@ def judge_attention(data, world_size, seed) -> str:
 
 
 check_attention = Check("Task 4.3", ("shard_qkv", "tp_attention"), collect_attention, judge_attention,
-                        world_sizes=(2, 4), forbidden=FORBIDDEN, every_size=True)
+                        world_sizes=(2, 4), forbidden=FORBIDDEN, every_size=True, given=given_shards)
 """Task 4.3: self-attention with its heads split across ranks."""
 
 
 # -- Task 4.4: sequence parallelism -------------------------------------------------------------------------
-def collect_sp(fns, pool, seed):
-    return run_on_ranks(pool, "Task 4.4", ref.sp_job, *fns, seed, seed is None, hints=_RANK_HINTS)
+def collect_sp(fns, pool, seed, shards):
+    return run_on_ranks(pool, "Task 4.4", ref.sp_job, *fns, shards, seed, seed is None, hints=_RANK_HINTS)
 
 
 def judge_sp(data, world_size, seed) -> str:
@@ -364,7 +368,7 @@ def judge_sp(data, world_size, seed) -> str:
                                                           "x + fc2(GELU(fc1(LayerNorm(x)))).")]))
         _ops(task, f"rank {r}'s backward", got["bwd"], [("all_gather", _ACT // n), ("reduce_scatter", _ACT)],
              "Scatter's backward all-gathers the gradient; Gather's backward reduce-scatters it.")
-        wants = [gx.chunk(n)[r], glw, glb, *tp.shard_column(g1, gb1, r, n), *tp.shard_row(g2, gb2, r, n)]
+        wants = [gx.chunk(n)[r], glw, glb, *answers("lab04").shard_column(g1, gb1, r, n), *answers("lab04").shard_row(g2, gb2, r, n)]
         names = ("the gradient of its part of the input", "LayerNorm's weight gradient (summed over ranks)",
                  "LayerNorm's bias gradient (summed over ranks)", "fc1's weight-shard gradient",
                  "fc1's bias-shard gradient", "fc2's weight-shard gradient", "fc2's bias gradient (summed over ranks)")
@@ -379,7 +383,7 @@ def judge_sp(data, world_size, seed) -> str:
 
 
 check_sp = Check("Task 4.4", ("sp_feed_forward",), collect_sp, judge_sp, world_sizes=(2, 4), forbidden=FORBIDDEN,
-                 every_size=True)
+                 every_size=True, given=given_shards)
 """Task 4.4: the feed-forward sub-block with sequence parallelism."""
 
 
@@ -389,9 +393,8 @@ _TASKS = {"tp_mlp": ("Task 4.2", "mlp"), "tp_attention": ("Task 4.3", "attention
 
 
 def yours(**fns) -> tp.Fns:
-    """The functions a measurement runs: each of the learner's whose task's check passed in this kernel,
-    lablib's for the others. Prints whose are used."""
-    from . import whose
-
+    """A measurement's functions: the learner's whose check passed in this kernel, else lablib's (printed)."""
     mine = whose(fns, {k: task for k, (task, _) in _TASKS.items()})
-    return tp.Fns(**{_TASKS[k][1]: fns[k] for k in mine})
+    lablibs = answers("lab04").FNS  # the weights split as lablib splits them: the checks gave the learner's the same
+    return tp.Fns(**{name: getattr(lablibs, name) for name in ("shard_column", "shard_row", "shard_qkv")},
+                  **{name: fns[k] if k in mine else getattr(lablibs, name) for k, (_, name) in _TASKS.items()})

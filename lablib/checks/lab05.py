@@ -12,7 +12,7 @@ import re
 from ..strategies import pipeline as pp
 from ..strategies import schedules as sc
 from ..strategies import pp_reference as ref
-from . import Check, CheckFailed, call_local, max_error, run_on_ranks
+from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks
 from .lab05_cases import _bank, _validate_cases
 
 FORBIDDEN = {
@@ -34,7 +34,7 @@ def _schedule(task, name, got, p, m, v=1):
         raise CheckFailed(f"{task}: {exc}.") from None
     if len(acts) != p:
         raise CheckFailed(f"{task}: {call} returned {len(acts)} lists; expected one per rank, {p}.")
-    problem = sc.validate(acts, m, v)
+    problem = answers("lab05").validate(acts, m, v)
     if problem:
         raise CheckFailed(f"{task}: {call} cannot run: {problem.reason}.")
     return acts
@@ -139,7 +139,7 @@ def judge_advanced(data, world_size, seed) -> str:
         acts = _schedule(task, "interleaved", case["interleaved"], p, m, v)
         _bubble(task, f"interleaved({p}, {m}, {v})", acts, p, m, v, sc.theory("interleaved", p, m, v),
                 "interleaved 1F1B, (p-1)/(v·m+p-1),")
-        most = sc.in_flight(sc.interleaved(p, m, v))
+        most = sc.in_flight(answers("lab05").interleaved(p, m, v))
         held = sc.in_flight(acts)
         for r in range(p):
             if held[r] > most[r]:
@@ -169,10 +169,10 @@ check_advanced = Check("Task 5.2", ("interleaved", "zb_h1"), collect_advanced, j
 """Task 5.2: interleaved 1F1B (v stages per rank) and ZB-H1 (B split into B and W)."""
 
 
-def collect_validate(fns, pool, seed):
+def collect_validate(fns, pool, seed, cases):
     (validate,) = fns
     out = []
-    for schedule, m, v in _validate_cases(seed):
+    for schedule, m, v in cases:
         rows = [[list(a) for a in row] for row in schedule]
         got = call_local("Task 5.3", validate, f"schedule, {m}, {v}", "It returns None or (rank, index, reason).",
                          [[tuple(a) for a in row] for row in rows], m, v)
@@ -188,8 +188,8 @@ def _short(value) -> str:
 def _order(schedule, m, v, got) -> str:
     """Which rule the learner's answer is, when it is a later rule's than the one that comes first."""
     acts = sc.as_actions(schedule)
-    found = [(k, name, rule(acts, m, v)) for k, (name, rule) in enumerate(sc.RULES[:3], 1)]  # rule 4 assumes 1-3 hold
-    first = next(((k, name) for k, name, problem in found if problem), (4, sc.RULES[3][0]))
+    found = [(k, name, rule(acts, m, v)) for k, (name, rule) in enumerate(answers("lab05").RULES[:3], 1)]  # rule 4 assumes 1-3 hold
+    first = next(((k, name) for k, name, problem in found if problem), (4, answers("lab05").RULES[3][0]))
     later = next(((k, name) for k, name, problem in found if problem and k > first[0] and isinstance(got, list)
                   and list(got[:2]) == [problem.rank, problem.index]), None)
     if later is None:
@@ -206,7 +206,7 @@ def judge_validate(data, world_size, seed) -> str:
     if not isinstance(data, list) or len(data) != len(cases):
         raise CheckFailed(f"{task}: the results are not those of the {len(cases)} schedules the check ran.")
     for i, ((schedule, m, v), got) in enumerate(zip(cases, data)):
-        want = sc.validate(schedule, m, v)
+        want = answers("lab05").validate(schedule, m, v)
         what = names.get(i, "this schedule")
         show = "\n".join(f"  rank {r}: " + " ".join(f"{k}{mb}/{s}" for k, mb, s in row) for r, row in enumerate(schedule))
         if want is None:
@@ -225,7 +225,8 @@ def judge_validate(data, world_size, seed) -> str:
     return f": the right action named in each of {len(data)} schedules, valid and broken"
 
 
-check_validate = Check("Task 5.3", ("validate",), collect_validate, judge_validate, world_sizes=(), forbidden=FORBIDDEN)
+check_validate = Check("Task 5.3", ("validate",), collect_validate, judge_validate, world_sizes=(), forbidden=FORBIDDEN,
+                       given=lambda world_size, seed: _validate_cases(seed))
 """Task 5.3: the first action of a schedule that can never start, found before anything runs."""
 
 
@@ -252,8 +253,14 @@ _HINTS = (
 )
 
 
-def collect_execute(fns, pool, seed):
-    return run_on_ranks(pool, "Task 5.4", ref.execute_job, fns[0], seed, seed is None, hints=_HINTS)
+def given_plans(world_size, seed) -> dict:
+    """{schedule: per rank its actions as lists}: lablib's schedules the executor runs, for ``world_size``."""
+    schedules = answers("lab05").SCHEDULES
+    return {name: [[list(a) for a in row] for row in schedules[name](world_size, ref.M, v)] for name, v in ref.CHECKED}
+
+
+def collect_execute(fns, pool, seed, plans):
+    return run_on_ranks(pool, "Task 5.4", ref.execute_job, fns[0], plans, seed, seed is None, hints=_HINTS)
 
 
 def _reference(seed):
@@ -282,7 +289,7 @@ def judge_execute(data, world_size, seed) -> str:
             if res["left"]:
                 raise CheckFailed(f"{task}: after {name} on {p} ranks, rank {r}'s " + ", ".join(res["left"][:3]) +
                                   ": a backward (or W) did not run.")
-            plan = sc.SCHEDULES[name](p, ref.M, v)[r]
+            plan = answers("lab05").SCHEDULES[name](p, ref.M, v)[r]
             split = any(a.kind == "W" for a in plan)
             want_ran = [f"{'BW' if a.kind == 'B' and not split else a.kind}{a.mb}/{a.stage}" for a in plan]
             ran = [str(x) for x in res.get("ran", [])]
@@ -347,7 +354,7 @@ def judge_execute(data, world_size, seed) -> str:
 
 
 check_execute = Check("Task 5.4", ("execute",), collect_execute, judge_execute, world_sizes=(2, 4),
-                      forbidden=FORBIDDEN, every_size=True)
+                      forbidden=FORBIDDEN, every_size=True, given=given_plans)
 """Task 5.4: any valid schedule run on real ranks."""
 
 
@@ -363,8 +370,9 @@ def yours(**fns) -> dict:
     from . import whose
 
     mine = whose(fns, {k: task for k, (task, _) in _TASKS.items()}, "Running")
-    out = {"execute": pp.execute, **{k: (lambda f: lambda p, m, v=1: f(p, m))(f) for k, f in
-                                      (("gpipe", sc.gpipe), ("1f1b", sc.one_f_one_b), ("zb-h1", sc.zb_h1))},
+    sc = answers("lab05")
+    out = {"execute": sc.execute, **{k: (lambda f: lambda p, m, v=1: f(p, m))(f) for k, f in
+                                     (("gpipe", sc.gpipe), ("1f1b", sc.one_f_one_b), ("zb-h1", sc.zb_h1))},
            "interleaved": sc.interleaved, "validate": sc.validate}
     for k in mine:
         fn = fns[k]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from ..strategies import schedules as sc
+from . import answers
 
 
 # -- Task 5.3: the validator ----------------------------------------------------------------------------------
@@ -13,7 +13,7 @@ def _broken(rng: random.Random):
     name = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved"])
     p, v = rng.randint(2, 4), rng.randint(2, 3) if name == "interleaved" else 1
     m = p * rng.randint(1, 2) if name == "interleaved" else rng.randint(2, 5)
-    rows = [list(map(list, row)) for row in sc.SCHEDULES[name](p, m, v)]
+    rows = [list(map(list, row)) for row in answers("lab05").SCHEDULES[name](p, m, v)]
     r = rng.randrange(p)
     what = rng.randrange(7)
     i, j = sorted(rng.sample(range(len(rows[r])), 2))
@@ -33,12 +33,16 @@ def _broken(rng: random.Random):
 
 
 def _validate_cases(seed):
-    return ([(s, m, v) for s, m, v, _ in _bank()] if seed is None else
-            [_broken(random.Random(seed * 100 + k)) for k in range(16)])
+    """[(schedule as lists, m, v), ...]: what the check gives the learner's validate (computed from lablib's
+    schedules outside the grading box, ``Check.given``)."""
+    cases = ([(s, m, v) for s, m, v, _ in _bank()] if seed is None else
+             [_broken(random.Random(seed * 100 + k)) for k in range(16)])
+    return [([[list(a) for a in row] for row in s], m, v) for s, m, v in cases]
 
 
 def _bank():
     """The fixed cases: (schedule, m, v) and what is wrong with it, in words (the tests read them too)."""
+    sc = answers("lab05")
     ok = [(sc.gpipe(2, 3), 3, 1, "GPipe, p=2, m=3"), (sc.one_f_one_b(4, 4), 4, 1, "1F1B, p=4, m=4"),
           (sc.interleaved(2, 4, 2), 4, 2, "interleaved, p=2, m=4, v=2"), (sc.zb_h1(3, 3), 3, 1, "ZB-H1, p=3, m=3")]
     g = [list(map(list, row)) for row in sc.gpipe(2, 2)]

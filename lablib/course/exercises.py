@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import io
 from dataclasses import dataclass, field
@@ -37,6 +38,19 @@ class Call:
 
     def spec(self) -> Check:
         return getattr(importlib.import_module(f"lablib.checks.{self.module}"), self.check)
+
+    def given(self) -> str | None:
+        """The check's given data for this call (``Check.given``), encoded for the box; None without."""
+        return _given(self.module, self.check, self.world_size, self.seed)
+
+
+@functools.lru_cache(maxsize=256)  # the same calls for every learner of a grading run
+def _given(module: str, check: str, world_size, seed) -> str | None:
+    from .plain import dumps
+
+    spec = getattr(importlib.import_module(f"lablib.checks.{module}"), check)
+    inputs = spec.inputs(world_size, seed)
+    return dumps(inputs[0]) if inputs else None
 
 
 @dataclass

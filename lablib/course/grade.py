@@ -224,7 +224,7 @@ def grade_learner(folder: Path, course: Course) -> list[LabResult]:
         if runnable:
             request.append({"lab": lab.lab, "cells": ex.cells, "calls": [
                 {"id": f"{name}:{c.id}", "group": f"{name}:{c.grade_id}", "module": c.module, "check": c.check, "params": list(c.params),
-                 "world_size": c.world_size, "seed": c.seed} for c in runnable]})
+                 "world_size": c.world_size, "seed": c.seed, "given": c.given()} for c in runnable]})
     records, box_note = run_box(request, course) if request else ({}, "")
     for (name, gid), calls in pending.items():
         lab = labs[name]
@@ -266,16 +266,16 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
     from . import sandbox
 
     work, notes = Path(tempfile.mkdtemp(prefix="lablib-grade-")), []
+    empty = Path(tempfile.mkdtemp(prefix="lablib-no-answers-"))  # outside work: the box cannot write into it
     try:
         nonce = secrets.token_hex(16)
         (work / "request.json").write_text(json.dumps({"nonce": nonce, "check_timeout": course.check_timeout,
                                                        "labs": request}))
         results = work / "results.jsonl"
         env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LABLIB_GRADING": "1"}
-        lablib_dir = Path(__file__).resolve().parents[1]
         run = sandbox.run([sys.executable, "-m", "lablib.course.runner", str(work / "request.json"), str(results)],
-                          workdir=work, readonly=[Path(sys.prefix), lablib_dir], env=env,
-                          limits=sandbox.Limits(seconds=course.time_limit), cwd=work)
+                          workdir=work, **box_view(empty), env=env, limits=sandbox.Limits(seconds=course.time_limit),
+                          cwd=work)
         wanted = {c["id"] for lab in request for c in lab["calls"]}
         records, duplicated, cells = {}, set(), []
         try:
@@ -306,7 +306,16 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
             notes.append(run.warning)
     finally:
         notes.append(_remove(work))
+        empty.rmdir()
     return records, "\n".join(n for n in notes if n)
+
+
+def box_view(empty: Path) -> dict:
+    """What a grading box sees besides its work dir (``sandbox.run``'s readonly and overlays): the virtual
+    environment and lablib, read-only, with the empty folder ``empty`` over ``lablib/answers``, so no lab's
+    answers are in the box; the checks' collect steps get what they need of them as data."""
+    lablib_dir = Path(__file__).resolve().parents[1]
+    return {"readonly": [Path(sys.prefix), lablib_dir], "overlays": {lablib_dir / "answers": empty}}
 
 
 def _remove(folder: Path) -> str:

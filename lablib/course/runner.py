@@ -46,7 +46,7 @@ class Deadline:
 def main(request_path: str, results_path: str) -> int:
     from ..checks import CheckFailed, vet
     from ..pool import Cluster, zygote
-    from .plain import NotPlain, dumps
+    from .plain import NotPlain, dumps, loads
 
     zygote.start_here()  # one thread, no torch op yet: the ranks fork from a copy of this process
     # A check's time limit is SIGINT (Deadline): a grader started with SIGINT ignored (`nohup lablib grade
@@ -96,7 +96,8 @@ def main(request_path: str, results_path: str) -> int:
                         pool = pools[size]
                     with Deadline(limit) as deadline:
                         try:
-                            data = check.collect(fns, pool, seed)
+                            given = () if call.get("given") is None else (loads(call["given"]),)
+                            data = check.collect(fns, pool, seed, *given)
                         except KeyboardInterrupt:
                             if not deadline.fired:
                                 raise

@@ -15,16 +15,6 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class ShardSlice:
-    """Elements ``[param_start, param_start + length)`` of parameter ``param`` (flattened) sit at
-    ``[shard_start, shard_start + length)`` of a rank's shard."""
-    param: int
-    param_start: int
-    shard_start: int
-    length: int
-
-
-@dataclass(frozen=True)
 class FlatLayout:
     """Where each parameter lives in a flat buffer padded to ``world_size`` equal shards."""
     shapes: tuple
@@ -60,15 +50,6 @@ class FlatLayout:
 
     def shard_bounds(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
-
-    def shard_slices(self, rank: int) -> list[ShardSlice]:
-        start, end = self.shard_bounds(rank)
-        out = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            lo, hi = max(start, off), min(end, off + n)
-            if lo < hi:
-                out.append(ShardSlice(i, lo - off, lo - start, hi - lo))
-        return out
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter as a view into ``flat`` (the full buffer)."""

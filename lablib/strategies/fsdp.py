@@ -26,19 +26,7 @@ from .flat import FlatLayout, Unit, flat_grad
 from .harness import Optimizer
 
 
-def unshard(unit: Unit, ctx) -> None:
-    """Make the unit's full parameters exist: allocate the flat buffer, gather every rank's shard."""
-    unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
-
-
-def reshard(unit: Unit) -> None:
-    """Free the full parameters; only this rank's shard remains (the module's views stay valid and
-    see the data again after the next unshard)."""
-    unit.flat.untyped_storage().resize_(0)
-
-
-def forward_backward(units: list[Unit], x, y, ctx, unshard=unshard, reshard=reshard):
+def forward_backward(units: list[Unit], x, y, ctx, unshard: Callable, reshard: Callable):
     """One ZeRO-3 forward and backward; leaves each unit's gradient shard in ``unit.grad``."""
     inputs, h = [], x
     with torch.no_grad():
@@ -71,9 +59,10 @@ def forward_backward(units: list[Unit], x, y, ctx, unshard=unshard, reshard=resh
 
 @dataclass(frozen=True)
 class ZeRO3:
-    """ZeRO-3 / FSDP: only the shard persists; ``unshard``/``reshard`` may be a learner's."""
-    unshard: Callable = unshard
-    reshard: Callable = reshard
+    """ZeRO-3 / FSDP: only the shard persists; ``unshard(unit, ctx)`` makes a unit's parameters whole,
+    ``reshard(unit)`` frees them (a learner's, or ``lablib.answers.lab01``'s)."""
+    unshard: Callable
+    reshard: Callable
     name = "zero3"
     sharded = True
     frees_params = True

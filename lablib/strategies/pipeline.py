@@ -199,36 +199,3 @@ def tag(kind: str, mb: int, stage: int) -> int:
     """A message's tag, the same on both sides: what it carries (the activations going into ``stage``, "F",
     or the gradient of its output, "B") and for which micro-batch, so a recv matches only its own send."""
     return 4 * (1000 * mb + stage) + (kind == "B")
-
-
-# -- lablib's executor ----------------------------------------------------------------------------------
-def execute(stages: dict, actions) -> None:
-    """Run this rank's actions in order: receive what an action needs (a blocking wait on an irecv),
-    compute, send what it made on (isend: the next action need not wait for the peer)."""
-    import torch.distributed as dist
-
-    n = dist.get_world_size()
-    split = any(a[0] == "W" for a in actions)
-    sends = []
-    for kind, mb, s in actions:
-        stage = stages[s]
-        if kind == "F":
-            x = None
-            if not stage.first:
-                x = stage.buffer()
-                comm.irecv(x, (s - 1) % n, tag=tag("F", mb, s), name=f"recv F{mb}").wait()
-            y = stage.forward(mb, x)
-            if not stage.last:
-                sends.append(comm.isend(y, (s + 1) % n, tag=tag("F", mb, s + 1), name=f"send F{mb}"))
-        elif kind == "B":
-            g = None
-            if not stage.last:
-                g = stage.buffer()
-                comm.irecv(g, (s + 1) % n, tag=tag("B", mb, s), name=f"recv B{mb}").wait()
-            gx = stage.backward(mb, g, weights=not split)
-            if not stage.first:
-                sends.append(comm.isend(gx, (s - 1) % n, tag=tag("B", mb, s - 1), name=f"send B{mb}"))
-        else:
-            stage.backward_weight(mb)
-    for work in sends:
-        work.wait()

@@ -13,7 +13,6 @@ from torch import nn
 
 from .. import comm
 from .pipeline import data, model, stages_of
-from .schedules import SCHEDULES
 from .prefetch import start_recording
 
 # The check's model: 8 blocks of width 32, 4 micro-batches of 4 rows; its four schedules (name, v).
@@ -62,8 +61,9 @@ def torch_job(name: str, m: int, v: int, seed: int = 0) -> dict:
             "order": [str(a) for a in order if a is not None] if order else None}
 
 
-def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
-    """The checks' job: the learner's executor on each CHECKED schedule (lablib's schedules), and with
+def execute_job(execute_fn, plans: dict, seed=None, compare: bool = True) -> dict:
+    """The checks' job: the learner's executor on each CHECKED schedule (``plans``: {name: per rank its
+    actions}, lablib's schedules given as data, as the grading box holds no answers), and with
     ``compare`` PyTorch's schedule of the same name on the same model. Per schedule: this rank's stages'
     gradients, the messages it sent and received ("send 512": which, bytes), the actions its stages ran
     ("F2/0": forward of micro-batch 2 on stage 0; "B", "BW" or "W"), what they still hold, and PyTorch's
@@ -79,7 +79,8 @@ def execute_job(execute_fn, seed=None, compare: bool = True) -> dict:
         params = {s: [q for b in st.blocks for q in b.parameters()] for s, st in mine.items()}
         record = next(iter(mine.values())).rank_held
         works: list = []
-        _, ops = comm.watched(execute_fn, stages, SCHEDULES[name](p, M, v)[r], works=works)
+        plan = [tuple(a) for a in plans[name][r]]
+        _, ops = comm.watched(execute_fn, stages, plan, works=works)
         left = [f"stage {s} holds micro-batch {mb}" for s, st in mine.items() for mb in st._held]
         unwaited = [w.op for w in works if not w.waited]
         for w in works:  # a send left in flight must not meet the next schedule's messages

@@ -14,7 +14,7 @@ Per unit i and step, ``train`` calls five moments, each ``fn(units, i, ctx)`` (`
 then the sharded optimizer step on each rank's shard. Unlike lab 01's loop (fsdp.py), which recomputes
 each unit's forward, this keeps autograd's saved activations, as FSDP does: freeing a unit's flat buffer
 after its forward empties the storage its saved weights point to, and the gather before its backward
-fills the same storage again. The functions below are lablib's answers; a lab runs the learner's.
+fills the same storage again. The hooks are the learner's (lablib's answers are in ``lablib.answers.lab03``).
 """
 from __future__ import annotations
 
@@ -35,99 +35,19 @@ from .fsdp import sum_then_divide_on_gloo
 from .harness import Context, Optimizer, gather_full
 
 
-# -- lablib's answers ----------------------------------------------------------------------------------
-def unshard(unit: Unit) -> None:
-    unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
-
-
-def reshard(unit: Unit) -> None:
-    unit.flat.untyped_storage().resize_(0)
-
-
-def pre_forward(units, i, ctx):
-    unshard(units[i])
-
-
-def post_forward(units, i, ctx):
-    reshard(units[i])
-
-
-def pre_backward(units, i, ctx):
-    unshard(units[i])
-
-
-def post_backward(units, i, ctx):
-    unit = units[i]
-    full = unit.full_grad()
-    unit.grad = torch.empty(unit.layout.shard_numel, device=full.device)
-    comm.reduce_scatter(unit.grad, full, name="reduce_scatter grads")
-    unit.grad /= ctx.world_size
-    reshard(unit)
-
-
 def no_finish(units, ctx):
     pass
 
 
-def issue_gather(unit: Unit) -> None:
-    """Start the unit's all-gather unless it is gathered or on its way already."""
-    if unit.flat.untyped_storage().nbytes() == 0:
-        unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
-        unit.work = comm.all_gather(unit.flat, unit.shard, async_op=True, name="all_gather params")
-
-
-def wait(unit: Unit) -> None:
-    if unit.work is not None:
-        unit.work.wait()
-        unit.work = None
-
-
-def keep_last_post_forward(units, i, ctx):
-    if i < len(units) - 1:  # the last unit's backward comes right after its forward: keep it whole
-        reshard(units[i])
-
-
-def prefetch_forward(units, i, ctx):
-    for j in range(i, min(i + ctx.depth, len(units) - 1) + 1):  # i first: the others queue behind it
-        issue_gather(units[j])
-    wait(units[i])
-
-
-def prefetch_backward(units, i, ctx):
-    for j in range(i, max(i - ctx.depth, 0) - 1, -1):
-        issue_gather(units[j])
-    wait(units[i])
-
-
-def overlap_post_backward(units, i, ctx):
-    unit = units[i]
-    full = unit.full_grad()
-    unit.grad = torch.empty(unit.layout.shard_numel, device=full.device)
-    unit.work = comm.reduce_scatter(unit.grad, full, async_op=True, name="reduce_scatter grads")
-    reshard(unit)
-
-
-def overlap_finish(units, ctx):
-    for unit in units:
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
-            unit.grad /= ctx.world_size
-
-
 @dataclass(frozen=True)
 class Hooks:
-    """The five moments of an FSDP unit (see the module's docstring)."""
-    pre_forward: Callable = pre_forward
-    post_forward: Callable = post_forward
-    pre_backward: Callable = pre_backward
-    post_backward: Callable = post_backward
+    """The five moments of an FSDP unit (see the module's docstring): a learner's functions, or
+    ``lablib.answers.lab03``'s (``PLAIN``, ``PREFETCH``)."""
+    pre_forward: Callable
+    post_forward: Callable
+    pre_backward: Callable
+    post_backward: Callable
     finish: Callable = no_finish
-
-
-PLAIN = Hooks()
-PREFETCH = Hooks(prefetch_forward, keep_last_post_forward, prefetch_backward, overlap_post_backward, overlap_finish)
 
 
 # -- running them ----------------------------------------------------------------------------------------
@@ -232,7 +152,7 @@ def start_recording() -> None:
         RECORDER.spans.clear()
 
 
-def train(hooks: Hooks = PLAIN, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
+def train(hooks: Hooks, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
           depth: int = 0, link: comm.Link | None = None, warmup: int = 0, seed: int = 0) -> dict:
     """Train on this rank (inside ``cluster.run``) with FSDP units driven by ``hooks``.
 

@@ -8,7 +8,8 @@ interleaved schedule's "virtual stages"):
     W   the weights' gradient alone (zero-bubble schedules split B in two: B is on the critical path
         to the stage before, W is not and can fill idle time)
 
-The schedules (each a function of p and m, the number of micro-batches):
+The schedules (each a function of p and m, the number of micro-batches; lablib's, the answers to lab 05's
+tasks with the validator, are in ``lablib.answers.lab05``):
 - GPipe (Huang et al. 2019, arXiv:1811.06965): every forward, then every backward; holds all m
   micro-batches' activations.
 - 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): p-1-r forwards to fill the pipe, then
@@ -19,9 +20,8 @@ The schedules (each a function of p and m, the number of micro-batches):
   split into B and W, the W's late enough to fill the drain; bubble (p-1)(T_F+T_B-T_W), a third of
   1F1B's when F, B and W take equal time, for the same memory.
 
-Then the validator (what each action needs, and the first action that can never start), the simulator
-(times per action, no ranks), the activations a schedule holds and the papers' bubbles. Running a
-schedule on ranks is pipeline.py's.
+Here: what each action needs, the simulator (times per action, no ranks), the activations a schedule holds
+and the papers' bubbles. Running a schedule on ranks is pipeline.py's.
 """
 from __future__ import annotations
 
@@ -59,81 +59,7 @@ def as_actions(schedule, what: str = "the schedule") -> list[list[Action]]:
     return out
 
 
-# -- lablib's schedules -------------------------------------------------------------------------------
-def gpipe(p: int, m: int) -> list[list[Action]]:
-    """Rank r: the forwards of every micro-batch, then their backwards."""
-    return [[Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)] for r in range(p)]
-
-
-def naive(p: int) -> list[list[Action]]:
-    """The whole batch as one micro-batch: GPipe with m = 1."""
-    return gpipe(p, 1)
-
-
-def one_f_one_b(p: int, m: int) -> list[list[Action]]:
-    """Rank r: p-1-r forwards (the warm-up), then a forward and a backward in turn, then the backwards
-    left (the cool-down)."""
-    out = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        acts = [Action("F", i, r) for i in range(warm)]
-        for i in range(m - warm):
-            acts += [Action("F", warm + i, r), Action("B", i, r)]
-        acts += [Action("B", i, r) for i in range(m - warm, m)]
-        out.append(acts)
-    return out
-
-
-def interleaved(p: int, m: int, v: int) -> list[list[Action]]:
-    """Megatron's interleaved 1F1B: rank r holds stages r, r+p, ..., r+(v-1)p. Micro-batches go in groups
-    of p through one stage, then the group through the rank's next stage; backwards the same, stages in
-    reverse. Warm-up: 2(p-1-r) + (v-1)p forwards, then one forward, one backward. m must divide by p."""
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches in groups of p: m = {m} does not divide by p = {p}")
-    total = m * v
-
-    def fwd(k, r):
-        return Action("F", (k // (p * v)) * p + k % p, r + p * ((k // p) % v))
-
-    def bwd(k, r):
-        return Action("B", (k // (p * v)) * p + k % p, r + p * (v - 1 - (k // p) % v))
-
-    out = []
-    for r in range(p):
-        warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
-        acts = [fwd(k, r) for k in range(warm)]
-        for k in range(total - warm):
-            acts += [fwd(warm + k, r), bwd(k, r)]
-        acts += [bwd(k, r) for k in range(total - warm, total)]
-        out.append(acts)
-    return out
-
-
-def zb_h1(p: int, m: int) -> list[list[Action]]:
-    """ZB-H1: 1F1B's order of F and B, with each W as late as memory allows: rank r runs W of micro-batch
-    i after B of micro-batch i + r, so rank r defers r W's (rank 0 none, the last rank p - 1) and runs them
-    in the cool-down, where 1F1B idles. The papers' bubble, (p-1)/(3m+p-1) with F = B = W, holds for
-    m >= p."""
-    out = []
-    for r, row in enumerate(one_f_one_b(p, m)):
-        acts, backs = [], 0
-        for a in row:
-            acts.append(a)
-            if a.kind == "B":
-                backs += 1
-                if backs > r:
-                    acts.append(Action("W", backs - 1 - r, r))
-        acts += [Action("W", i, r) for i in range(max(0, m - r), m)]
-        out.append(acts)
-    return out
-
-
-SCHEDULES = {"naive": lambda p, m, v=1: naive(p), "gpipe": lambda p, m, v=1: gpipe(p, m),
-             "1f1b": lambda p, m, v=1: one_f_one_b(p, m), "interleaved": interleaved,
-             "zb-h1": lambda p, m, v=1: zb_h1(p, m)}
-
-
-# -- what a schedule needs, and the validator ------------------------------------------------------------
+# -- what an action needs ---------------------------------------------------------------------------------
 def needs(a: Action, stages: int, split: bool) -> list[Action]:
     """The actions ``a`` must wait for: F the forward on the stage before; B its own forward and the
     backward on the stage after; W the B it completes (``split``: the schedule has W actions)."""
@@ -142,116 +68,6 @@ def needs(a: Action, stages: int, split: bool) -> list[Action]:
     if a.kind == "B":
         return [Action("F", a.mb, a.stage)] + ([Action("B", a.mb, a.stage + 1)] if a.stage < stages - 1 else [])
     return [Action("B", a.mb, a.stage)]
-
-
-class Problem(NamedTuple):
-    rank: int
-    index: int   # position in the rank's list (its length: something is missing)
-    reason: str
-
-
-def validate(schedule, m: int, v: int = 1) -> Problem | None:
-    """The first problem of a schedule for p = len(schedule) ranks, v stages per rank and m micro-batches,
-    before anything runs; None if it runs to the end. The rules (``RULES``), in order, each over the whole
-    schedule:
-    1. an action that cannot be on its rank (a stage not on it, a micro-batch out of range);
-    2. an action listed a second time;
-    3. an action missing (index = the rank's list length): every (stage, micro-batch) needs F and B, and W
-       too if the schedule has any W;
-    4. a deadlock: run every rank's list in order, each action once what it needs (``needs``) has run;
-       when no rank can go on, the lowest such rank's next action, and why, down to the action it waits
-       for in the end."""
-    acts = as_actions(schedule)
-    for _, rule in RULES:
-        problem = rule(acts, m, v)
-        if problem:
-            return problem
-    return None
-
-
-def misplaced(acts: list[list[Action]], m: int, v: int) -> Problem | None:
-    """Rule 1: the first action that cannot be on its rank."""
-    p, stages = len(acts), len(acts) * v
-    for r, row in enumerate(acts):
-        for i, a in enumerate(row):
-            if not 0 <= a.stage < stages or a.stage % p != r:
-                return Problem(r, i, f"{a} is not on rank {r}: stage s runs on rank s % {p}"
-                               + (f" (there are {stages} stages)" if not 0 <= a.stage < stages else ""))
-            if not 0 <= a.mb < m:
-                return Problem(r, i, f"{a}: micro-batches are 0..{m - 1}")
-    return None
-
-
-def listed_twice(acts: list[list[Action]], m: int, v: int) -> Problem | None:
-    """Rule 2: the first action listed a second time (where it is listed again)."""
-    seen = set()
-    for r, row in enumerate(acts):
-        for i, a in enumerate(row):
-            if a in seen:
-                return Problem(r, i, f"{a} is listed twice")
-            seen.add(a)
-    return None
-
-
-def missing(acts: list[list[Action]], m: int, v: int) -> Problem | None:
-    """Rule 3: the first action no rank lists, at the end of its rank's list."""
-    p, listed = len(acts), {a for row in acts for a in row}
-    split = any(a.kind == "W" for a in listed)
-    for r in range(p):
-        for s in range(r, p * v, p):
-            for mb in range(m):
-                for kind in ("FBW" if split else "FB"):
-                    if Action(kind, mb, s) not in listed:
-                        return Problem(r, len(acts[r]), f"rank {r} never runs {Action(kind, mb, s)}")
-    return None
-
-
-def deadlock(acts: list[list[Action]], m: int, v: int) -> Problem | None:
-    """Rule 4 (rules 1-3 passed: every action is listed once, on its rank): the lowest rank's action that
-    can never start."""
-    p, stages = len(acts), len(acts) * v
-    split = any(a.kind == "W" for row in acts for a in row)
-    done, pos = set(), [0] * p
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while pos[r] < len(acts[r]) and all(n in done for n in needs(acts[r][pos[r]], stages, split)):
-                done.add(acts[r][pos[r]])
-                pos[r] += 1
-                moved = True
-    stuck = [r for r in range(p) if pos[r] < len(acts[r])]
-    if not stuck:
-        return None
-    r = stuck[0]
-    why = _chain(acts, pos, done, r, stages, split)
-    return Problem(r, pos[r], f"rank {r}'s {acts[r][pos[r]]} can never start: it {why}")
-
-
-def _chain(acts, pos, done, r, stages, split) -> str:
-    """Why rank r's stuck action waits, to the root: what it needs, and, where that comes after the action
-    its rank is stuck at, what that one needs in turn, until an action named already (every stuck rank
-    waits on another: the chain ends in a cycle; rule 3 leaves no action unlisted)."""
-    where = {a: (q, i) for q, row in enumerate(acts) for i, a in enumerate(row)}
-    cycle = ", named above: a cycle, so none of these ever starts"
-    a, named, text = acts[r][pos[r]], set(), ""
-    while True:
-        named.add(a)
-        need = next(n for n in needs(a, stages, split) if n not in done)
-        if need in named:
-            return text + f"needs {need}{cycle}"
-        owner, at = where[need]
-        text += f"needs {need} (rank {owner}'s action {at}), which "
-        named.add(need)
-        a = acts[owner][pos[owner]]  # where rank `owner` is stuck: at need itself, or at an action before it
-        if a != need:
-            if a in named:
-                return text + f"rank {owner} reaches only after {a}{cycle}"
-            text += f"rank {owner} reaches only after {a} (its action {pos[owner]}), which "
-
-
-RULES = (("an action that cannot be on its rank", misplaced), ("an action listed twice", listed_twice),
-         ("an action missing", missing), ("a deadlock", deadlock))
 
 
 # -- the simulator: unit times, no ranks ------------------------------------------------------------------
@@ -314,4 +130,4 @@ def theory(name: str, p: int, m: int, v: int = 1) -> float:
         return (p - 1) / (v * m + p - 1)
     if name == "zb-h1":  # (p-1)(T_F+T_B-T_W) idle against 3m units of work per rank
         return (p - 1) / (3 * m + p - 1)
-    raise ValueError(f"no schedule {name!r}: one of {', '.join(SCHEDULES)}")
+    raise ValueError(f"no schedule {name!r}: one of naive, gpipe, 1f1b, interleaved, zb-h1")

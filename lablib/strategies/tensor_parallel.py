@@ -11,9 +11,9 @@ and one in the backward (f). Attention splits by heads: Q, K and V column-parall
 projection row-parallel. Sequence parallelism splits the sequence outside those regions (LayerNorm,
 residual): g becomes a reduce-scatter along the sequence, f an all-gather.
 
-These are lablib's own versions (the lab's exercises are the learner's), used where the learner's are
-not done yet and by the benchmark; then the measured block. The checks' jobs and PyTorch's DTensor on
-the same layers are in tp_reference.py.
+This file is the measured block, run with a learner's functions or lablib's (``lablib.answers.lab04``,
+where the learner's are not checked yet, and in the benchmark). The checks' jobs and PyTorch's DTensor
+on the same layers are in tp_reference.py.
 """
 from __future__ import annotations
 
@@ -21,122 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd import Function
 
 from .. import comm
 from ..timeline import RECORDER, RawSpan, _now
 from ..toy import Attention, FeedForward
 from .prefetch import start_recording
-
-
-# -- the pieces ----------------------------------------------------------------------------------------
-def shard_column(weight, bias, rank, world_size):
-    return weight.chunk(world_size, 0)[rank], bias.chunk(world_size, 0)[rank]
-
-
-def shard_row(weight, bias, rank, world_size):
-    return weight.chunk(world_size, 1)[rank], bias
-
-
-def row_linear(x, weight, bias):
-    y = F.linear(x, weight)
-    comm.all_reduce(y)
-    return y + bias
-
-
-class Copy(Function):
-    """Megatron's f: identity forward, all-reduce backward."""
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        comm.all_reduce(grad)
-        return grad
-
-
-class Reduce(Function):
-    """Megatron's g: all-reduce forward, identity backward."""
-    @staticmethod
-    def forward(ctx, x):
-        x = x.contiguous().clone()
-        comm.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _split0(x):
-    n = dist.get_world_size()
-    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
-
-
-def _whole0(x):
-    return x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
-
-
-class Gather(Function):
-    """Sequence parallelism's f: all-gather along the sequence (dim 0) forward, reduce-scatter backward."""
-    @staticmethod
-    def forward(ctx, x):
-        out = _whole0(x)
-        comm.all_gather(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = _split0(grad)
-        comm.reduce_scatter(out, grad.contiguous())
-        return out
-
-
-class Scatter(Function):
-    """Sequence parallelism's g: reduce-scatter along the sequence (dim 0) forward, all-gather backward."""
-    @staticmethod
-    def forward(ctx, x):
-        out = _split0(x)
-        comm.reduce_scatter(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = _whole0(grad)
-        comm.all_gather(out, grad.contiguous())
-        return out
-
-
-def mlp(x, w1, b1, w2, b2):
-    """(..., d), whole on every rank -> (..., d), whole: fc1 column-parallel, fc2 row-parallel."""
-    h = F.gelu(F.linear(Copy.apply(x), w1, b1))   # (..., ffn / n)
-    return Reduce.apply(F.linear(h, w2)) + b2
-
-
-def shard_qkv(weight, bias, rank, world_size):
-    """The fused (3d, d) projection's rows are [Q; K; V], each d = heads x head_dim: a rank takes its
-    heads' rows from each of the three."""
-    d_in = weight.shape[1]
-    w = weight.view(3, world_size, -1, d_in)[:, rank].reshape(-1, d_in)
-    return w, bias.view(3, world_size, -1)[:, rank].reshape(-1)
-
-
-def attention(x, wqkv, bqkv, wo, bo, heads):
-    """(B, T, d), whole on every rank -> (B, T, d); ``heads``: this rank's heads."""
-    B, T, _ = x.shape
-    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, heads, T, head_dim)
-    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo)) + bo
-
-
-def sp_feed_forward(x, ln_w, ln_b, w1, b1, w2, b2):
-    """The feed-forward sub-block, x + fc2(gelu(fc1(ln(x)))), on this rank's part of the sequence:
-    (T / n, B, d) -> (T / n, B, d)."""
-    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))   # (T, B, d)
-    h = F.gelu(F.linear(h, w1, b1))                               # (T, B, ffn / n)
-    return x + Scatter.apply(F.linear(h, w2)) + b2
 
 
 def leaves(*tensors):
@@ -149,10 +38,13 @@ def _rank():
 
 # -- measured: a tensor-parallel transformer block ---------------------------------------------------------
 class Fns:
-    """The functions a block runs: lablib's by default, or the learner's (``yours`` in lab 04's checks)."""
+    """The functions a block runs: the learner's where checked (``yours`` in lab 04's checks), else
+    lablib's (``lablib.answers.lab04.FNS``): how it is split (``shard_column``, ``shard_row``,
+    ``shard_qkv``) and run (``mlp``, ``attention``, ``sp``)."""
 
-    def __init__(self, mlp=mlp, attention=attention, sp=sp_feed_forward):
+    def __init__(self, mlp, attention, sp, shard_column, shard_row, shard_qkv):
         self.mlp, self.attention, self.sp = mlp, attention, sp
+        self.shard_column, self.shard_row, self.shard_qkv = shard_column, shard_row, shard_qkv
 
 
 WIDE = dict(d=256, heads=8, ffn=1024, batch=4, tokens=128)  # measured block: 4 x 128 tokens, width 256
@@ -191,8 +83,8 @@ def block_job(fns: Fns, steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
     r, n = _rank()
     att, ff = comm.to_device(*wide_block(seed))
     heads = WIDE["heads"] // n
-    a = leaves(*shard_qkv(att.qkv.weight, att.qkv.bias, r, n), *shard_row(att.proj.weight, att.proj.bias, r, n))
-    m = leaves(*shard_column(ff.fc1.weight, ff.fc1.bias, r, n), *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
+    a = leaves(*fns.shard_qkv(att.qkv.weight, att.qkv.bias, r, n), *fns.shard_row(att.proj.weight, att.proj.bias, r, n))
+    m = leaves(*fns.shard_column(ff.fc1.weight, ff.fc1.bias, r, n), *fns.shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
     x = comm.to_device(torch.randn(WIDE["batch"], WIDE["tokens"], WIDE["d"], generator=torch.Generator().manual_seed(seed)))
     seconds = []
     for step in range(warmup + steps):
@@ -235,15 +127,15 @@ def saved_bytes(fn, *args, params=()) -> int:
     return sum(seen.values())
 
 
-def activation_bytes(mode: str = "tp", fns: Fns = Fns(), seed: int = 0) -> int:
+def activation_bytes(mode: str, fns: Fns, seed: int = 0) -> int:
     """On this rank: the activation bytes the wide block's feed-forward sub-block saves for its backward,
     tensor-parallel ("tp": LayerNorm and residual on the whole sequence, ``fns.mlp``) or with sequence
     parallelism ("sp": on this rank's part, ``fns.sp``)."""
     r, n = _rank()
     _, ff = comm.to_device(*wide_block(seed))
     x = comm.to_device(torch.randn(WIDE["tokens"], WIDE["batch"], WIDE["d"], generator=torch.Generator().manual_seed(seed)))
-    weights = leaves(ff.ln.weight, ff.ln.bias, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
-                     *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
+    weights = leaves(ff.ln.weight, ff.ln.bias, *fns.shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
+                     *fns.shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
     if mode == "sp":
         return saved_bytes(fns.sp, leaves(x.chunk(n)[r])[0], *weights, params=weights)
     ln_w, ln_b, *fc = weights

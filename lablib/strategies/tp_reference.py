@@ -16,7 +16,7 @@ from .. import comm
 from ..comm import to_device
 from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward
 from .prefetch import start_recording, step_times
-from .tensor_parallel import WIDE, Fns, _rank, block_job, leaves, shard_column, shard_row, wide_block
+from .tensor_parallel import WIDE, Fns, _rank, block_job, leaves, wide_block
 
 
 # -- the checks' jobs ----------------------------------------------------------------------
@@ -58,6 +58,13 @@ def split_job(shard_column, shard_row, row_linear, seed=None) -> dict:
     return out
 
 
+def _shards(shards, r: int, n: int) -> dict:
+    """This rank's given shards, on its device."""
+    if len(shards) != n:
+        raise ValueError(f"given the shards of {len(shards)} ranks, on {n}")
+    return {k: to_device(*v) for k, v in shards[r].items()}
+
+
 def _fits(w, b, shape, bias) -> bool:
     return (isinstance(w, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(w.shape) == shape
             and tuple(b.shape) == (bias,))
@@ -71,20 +78,22 @@ def _run(fn, args, grad_out, leaves_):
     return {"out": y.detach(), "fwd": fwd, "bwd": bwd, "grads": _grads(*leaves_)}
 
 
-def mlp_job(tp_mlp, seed=None, dtensor=True) -> dict:
-    """Task 4.2: the MLP (fc1, GELU, fc2) column- then row-parallel, forward and backward."""
+def mlp_job(tp_mlp, shards, seed=None, dtensor=True) -> dict:
+    """Task 4.2: the MLP (fc1, GELU, fc2) column- then row-parallel, forward and backward. ``shards``: per
+    rank, the layers' shards (given: lablib's answers to Task 4.1 are not on the ranks when grading)."""
     r, n = _rank()
     ff, _ = to_device(*layers(seed or 0))
     x, _, dy = to_device(*inputs(seed or 0, B, T, WIDTH))
-    params = leaves(x, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n), *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
+    mine = _shards(shards, r, n)
+    params = leaves(x, *mine["fc1"], *mine["fc2"])
     out = _run(tp_mlp, params, dy, params)
     if dtensor:
         out["dtensor"] = dtensor_mlp(ff, x, dy)
     return out
 
 
-def attention_job(shard_qkv, tp_attention, seed=None, dtensor=True) -> dict:
-    """Task 4.3: attention split by heads, forward and backward."""
+def attention_job(shard_qkv, tp_attention, shards, seed=None, dtensor=True) -> dict:
+    """Task 4.3: attention split by heads, forward and backward (``shards``: as ``mlp_job``'s)."""
     r, n = _rank()
     _, att = to_device(*layers(seed or 0))
     x, _, dy = to_device(*inputs(seed or 0, B, T, WIDTH))
@@ -94,20 +103,21 @@ def attention_job(shard_qkv, tp_attention, seed=None, dtensor=True) -> dict:
     if not all(isinstance(t, torch.Tensor) for t in (wqkv, bqkv)) or (tuple(wqkv.shape), tuple(bqkv.shape)) != \
             ((rows, WIDTH), (rows,)):
         return out  # the judge names the shard's shape; tp_attention would only fail on it
-    params = leaves(x, wqkv, bqkv, *shard_row(att.proj.weight, att.proj.bias, r, n))
+    params = leaves(x, wqkv, bqkv, *_shards(shards, r, n)["proj"])
     out.update(_run(tp_attention, params + [HEADS // n], dy, params))
     if dtensor:
         out["dtensor"] = dtensor_attention(att, x, dy)
     return out
 
 
-def sp_job(sp_feed_forward, seed=None, dtensor=True) -> dict:
-    """Task 4.4: the feed-forward sub-block with sequence parallelism; (T, B, d) split along T."""
+def sp_job(sp_feed_forward, shards, seed=None, dtensor=True) -> dict:
+    """Task 4.4: the feed-forward sub-block with sequence parallelism; (T, B, d) split along T (``shards``:
+    as ``mlp_job``'s)."""
     r, n = _rank()
     ff, _ = to_device(*layers(seed or 0))
     x, _, dy = to_device(*inputs(seed or 0, T, B, WIDTH))
-    params = leaves(x.chunk(n)[r], ff.ln.weight, ff.ln.bias, *shard_column(ff.fc1.weight, ff.fc1.bias, r, n),
-                    *shard_row(ff.fc2.weight, ff.fc2.bias, r, n))
+    mine = _shards(shards, r, n)
+    params = leaves(x.chunk(n)[r], ff.ln.weight, ff.ln.bias, *mine["fc1"], *mine["fc2"])
     out = _run(sp_feed_forward, params, dy.chunk(n)[r], params)
     grads = out.get("grads", [])
     for i in (1, 2, 6):  # LayerNorm's and fc2's bias saw this rank's tokens only: their gradients sum over ranks

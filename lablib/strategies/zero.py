@@ -6,15 +6,14 @@ what a rank keeps of the gradient and the optimizer state, and so in the collect
     ZeRO-1  all-reduce, update my shard, all-gather parameters   4Ψ + 12Ψ/N
     ZeRO-2  reduce-scatter, update my shard, all-gather          2Ψ + 14Ψ/N
 
-ZeRO-3 (the parameters sharded too) is in fsdp.py. A strategy's ``step`` can be replaced by a
-learner's function of the same signature: ``ZeRO1(step=my_zero1_step)``.
+ZeRO-3 (the parameters sharded too) is in fsdp.py. A stage runs a ``step`` function per unit: a
+learner's (``ZeRO1(step=my_zero1_step)``), or lablib's answer (``lablib.answers.lab01.STAGES``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from .. import comm
@@ -29,26 +28,6 @@ def dp_step(unit: Unit, ctx) -> None:
     comm.all_reduce(unit.grad, name="all_reduce grads")  # sum over ranks...
     unit.grad /= ctx.world_size                           # ...so divide for the mean
     ctx.update(unit, unit.grad)
-
-
-def zero1_step(unit: Unit, ctx) -> None:
-    """ZeRO-1: the full gradient everywhere, but each rank updates (and keeps optimizer state for) only
-    its shard, then the updated shards are gathered so every rank has all parameters again."""
-    comm.all_reduce(unit.grad, name="all_reduce grads")
-    unit.grad /= ctx.world_size
-    start, end = unit.layout.shard_bounds(ctx.rank)
-    ctx.update(unit, unit.grad[start:end])
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
-
-
-def zero2_step(unit: Unit, ctx) -> None:
-    """ZeRO-2: reduce-scatter leaves each rank the summed gradient of its shard only; the full gradient
-    is dropped. Then as ZeRO-1: update the shard, gather the parameters."""
-    shard_grad = torch.empty(unit.layout.shard_numel, dtype=unit.grad.dtype, device=unit.grad.device)
-    comm.reduce_scatter(shard_grad, unit.grad, name="reduce_scatter grads")
-    unit.grad = shard_grad / ctx.world_size
-    ctx.update(unit, unit.grad)
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
 
 
 @dataclass(frozen=True)
@@ -82,11 +61,9 @@ class DP(_WholeModel):
 
 @dataclass(frozen=True)
 class ZeRO1(_WholeModel):
-    step: Callable = zero1_step
     name = "zero1"
 
 
 @dataclass(frozen=True)
 class ZeRO2(_WholeModel):
-    step: Callable = zero2_step
     name = "zero2"

@@ -54,7 +54,7 @@ def measure(cluster, fns: dict, name: str, m: int, v: int = 1, cost: float | Non
 
     repeats = repeats or (1 if quick() else 2)
     naive = name == "naive"  # the same batch, as one micro-batch
-    schedule_fn = (lambda p, m, v=1: sc.naive(p)) if naive else fns[name]
+    schedule_fn = (lambda p, m, v=1: fns["gpipe"](p, 1)) if naive else fns[name]
     rows = m * (4 if cost else ref.REAL["rows_per_mb"]) if naive else None
     results = cluster.run(ref.step_job, fns["execute"], schedule_fn, 1 if naive else m, v, cost, repeats, rows)
     timeline = cluster.timeline()

@@ -1,0 +1,71 @@
+"""Lab 02's answers: ring all-gather, reduce-scatter and all-reduce from point-to-point messages (the
+model they follow, and reading what moved from a run, are in ``strategies.ring``)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+TASKS = {"Task 2.1": ("ring_all_gather_blocking",), "Task 2.2": ("ring_all_gather",),
+         "Task 2.3": ("ring_reduce_scatter",), "Task 2.4": ("ring_all_reduce",)}
+
+
+def ring_all_gather_blocking(output: torch.Tensor, input: torch.Tensor) -> None:
+    """The ring all-gather with blocking send and recv: even ranks send first, odd ranks receive first,
+    so no two neighbours both wait to send."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = output.view(n, -1)
+    chunks[rank].copy_(input.view(-1))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
+        if rank % 2 == 0:
+            comm.send(chunks[send_c], right)
+            comm.recv(chunks[recv_c], left)
+        else:
+            comm.recv(chunks[recv_c], left)
+            comm.send(chunks[send_c], right)
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``output`` (N chunks the size of ``input``) gets every rank's ``input``, in rank order."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = output.view(n, -1)
+    chunks[rank].copy_(input.view(-1))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
+        works = [comm.isend(chunks[send_c], right, name=f"step {step}: send chunk {send_c}", step=step, chunk=send_c),
+                 comm.irecv(chunks[recv_c], left, name=f"step {step}: recv chunk {recv_c}", step=step, chunk=recv_c)]
+        for w in works:
+            w.wait()
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
+    """``output`` (one chunk) gets the sum over ranks of chunk ``rank`` of ``input`` (N chunks)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    acc = input.reshape(n, -1).clone()  # partial sums, updated in place; the input stays untouched
+    incoming = torch.empty_like(acc[0])
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
+        works = [comm.isend(acc[send_c], right, name=f"step {step}: send chunk {send_c}", step=step, chunk=send_c),
+                 comm.irecv(incoming, left, name=f"step {step}: recv chunk {recv_c}", step=step, chunk=recv_c)]
+        for w in works:
+            w.wait()
+        acc[recv_c] += incoming
+    output.view(-1).copy_(acc[rank])
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> None:
+    """Sum ``tensor`` over ranks in place: pad to N equal chunks, reduce-scatter, all-gather, unpad."""
+    n = dist.get_world_size()
+    flat = tensor.reshape(-1)
+    chunk = -(-flat.numel() // n)
+    padded = torch.zeros(chunk * n, dtype=tensor.dtype, device=tensor.device)
+    padded[:flat.numel()] = flat
+    mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+    ring_reduce_scatter(mine, padded)
+    ring_all_gather(padded, mine)
+    tensor.copy_(padded[:flat.numel()].view_as(tensor))

@@ -1,0 +1,138 @@
+"""Lab 04's answers: Megatron's column and row splits, its f and g operators, the MLP and attention split
+by heads, and sequence parallelism's f and g (the measured block that runs them is in
+``strategies.tensor_parallel``; the checks' jobs in ``strategies.tp_reference``)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from .. import comm
+from ..strategies.tensor_parallel import Fns
+
+TASKS = {"Task 4.1": ("shard_column", "shard_row", "row_linear"), "Task 4.2": ("Copy", "Reduce", "tp_mlp"),
+         "Task 4.3": ("shard_qkv", "tp_attention"), "Task 4.4": ("Gather", "Scatter", "sp_feed_forward")}
+
+
+def shard_column(weight, bias, rank, world_size):
+    return weight.chunk(world_size, 0)[rank], bias.chunk(world_size, 0)[rank]
+
+
+def shard_row(weight, bias, rank, world_size):
+    return weight.chunk(world_size, 1)[rank], bias
+
+
+def row_linear(x, weight, bias):
+    y = F.linear(x, weight)
+    comm.all_reduce(y)
+    return y + bias
+
+
+class Copy(Function):
+    """Megatron's f: identity forward, all-reduce backward."""
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad)
+        return grad
+
+
+class Reduce(Function):
+    """Megatron's g: all-reduce forward, identity backward."""
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def tp_mlp(x, w1, b1, w2, b2):
+    """(..., d), whole on every rank -> (..., d), whole: fc1 column-parallel, fc2 row-parallel."""
+    h = F.gelu(F.linear(Copy.apply(x), w1, b1))   # (..., ffn / n)
+    return Reduce.apply(F.linear(h, w2)) + b2
+
+
+def shard_qkv(weight, bias, rank, world_size):
+    """The fused (3d, d) projection's rows are [Q; K; V], each d = heads x head_dim: a rank takes its
+    heads' rows from each of the three."""
+    d_in = weight.shape[1]
+    w = weight.view(3, world_size, -1, d_in)[:, rank].reshape(-1, d_in)
+    return w, bias.view(3, world_size, -1)[:, rank].reshape(-1)
+
+
+def tp_attention(x, wqkv, bqkv, wo, bo, heads):
+    """(B, T, d), whole on every rank -> (B, T, d); ``heads``: this rank's heads."""
+    B, T, _ = x.shape
+    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, heads, T, head_dim)
+    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo)) + bo
+
+
+def _split0(x):
+    n = dist.get_world_size()
+    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+
+
+def _whole0(x):
+    return x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
+
+
+class Gather(Function):
+    """Sequence parallelism's f: all-gather along the sequence (dim 0) forward, reduce-scatter backward."""
+    @staticmethod
+    def forward(ctx, x):
+        out = _whole0(x)
+        comm.all_gather(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = _split0(grad)
+        comm.reduce_scatter(out, grad.contiguous())
+        return out
+
+
+class Scatter(Function):
+    """Sequence parallelism's g: reduce-scatter along the sequence (dim 0) forward, all-gather backward."""
+    @staticmethod
+    def forward(ctx, x):
+        out = _split0(x)
+        comm.reduce_scatter(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = _whole0(grad)
+        comm.all_gather(out, grad.contiguous())
+        return out
+
+
+def sp_feed_forward(x, ln_w, ln_b, w1, b1, w2, b2):
+    """The feed-forward sub-block, x + fc2(gelu(fc1(ln(x)))), on this rank's part of the sequence:
+    (T / n, B, d) -> (T / n, B, d)."""
+    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))   # (T, B, d)
+    h = F.gelu(F.linear(h, w1, b1))                               # (T, B, ffn / n)
+    return x + Scatter.apply(F.linear(h, w2)) + b2
+
+
+FNS = Fns(tp_mlp, tp_attention, sp_feed_forward, shard_column, shard_row, shard_qkv)
+
+
+def shards(ff, att, world_size: int) -> list[dict]:
+    """Per rank, the shards of the checks' layers (``tp_reference.layers``) that a task does not ask for:
+    fc1 by columns, fc2 and the projection by rows. The checks' jobs take them as data (``Check.given``)."""
+    out = []
+    for r in range(world_size):
+        w = {"fc1": shard_column(ff.fc1.weight.detach(), ff.fc1.bias.detach(), r, world_size),
+             "fc2": shard_row(ff.fc2.weight.detach(), ff.fc2.bias.detach(), r, world_size),
+             "proj": shard_row(att.proj.weight.detach(), att.proj.bias.detach(), r, world_size)}
+        out.append({k: [t.clone() for t in v] for k, v in w.items()})
+    return out
