@@ -160,9 +160,9 @@ def run_checks(lab, notebook: Path, pool: RankPool) -> tuple[int, int]:
             vet(check.task, check.params, fns, check.forbidden)
             if call.world_size is None:  # a check in one process: rank 0's
                 if rank == 0:
-                    line = check.judge(check.collect(fns, None, None), None, None)
+                    line = check.judge(check.collect(fns, None, None, *check.inputs(None, None)), None, None)
             else:
-                data = check.collect(fns, pool, None)
+                data = check.collect(fns, pool, None, *check.inputs(n, None))
                 if rank == 0:
                     line = check.judge(data, n, None)
             ok = True

@@ -95,12 +95,17 @@ RANK_CHECKS = [(lab.checks, check) for lab in LABS
                if isinstance(check, Check) and not check.local]
 
 
+def run_check(lab: str, check: Check, cluster) -> str:
+    """``check`` on ``cluster`` with lab ``lab``'s registered answers, given what it is given."""
+    answers = {name: fn for fns in registered(lab).values() for name, fn in fns.items()}
+    data = check.collect(tuple(answers[name] for name in check.params), cluster, None,
+                         *check.inputs(cluster.world_size, None))
+    return check.judge(data, cluster.world_size, None)
+
+
 @pytest.mark.parametrize("lab, check", RANK_CHECKS, ids=[c.task for _, c in RANK_CHECKS])
 def test_every_labs_rank_jobs_keep_the_device_rule(audited, lab, check):
-    answers = {name: fn for fns in registered(lab).values() for name, fn in fns.items()}
-    data = check.collect(tuple(answers[name] for name in check.params), audited, None,
-                         *check.inputs(audited.world_size, None))
-    check.judge(data, audited.world_size, None)
+    run_check(lab, check, audited)
 
 
 def test_the_labs_measurements_keep_the_device_rule(audited):

@@ -209,6 +209,7 @@ def grade_learner(folder: Path, course: Course) -> list[LabResult]:
             continue
         ex = exercise_code(nb)
         lab.notes += ex.notes
+        flagged = set()
         runnable = []
         for gid, calls in course.calls[name].items():
             why = next((r for r in (refusal(c, ex) for c in calls) if r), "")
@@ -217,10 +218,11 @@ def grade_learner(folder: Path, course: Course) -> list[LabResult]:
                 continue
             pending[(name, gid)] = calls
             runnable += calls
-            for fn in {p for c in calls for p in c.params}:
+            for fn in sorted({p for c in calls for p in c.params} - flagged):  # a later task's check may take it too
                 solution = course.solutions[name].get(fn)
                 if solution is not None and normalised(solution) == normalised(ex.functions[fn]):
                     lab.flags.append(f"{gid}: {fn} matches the solution's code")
+                    flagged.add(fn)
         if runnable:
             request.append({"lab": lab.lab, "cells": ex.cells, "calls": [
                 {"id": f"{name}:{c.id}", "group": f"{name}:{c.grade_id}", "module": c.module, "check": c.check, "params": list(c.params),
