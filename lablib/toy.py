@@ -15,6 +15,9 @@ same every run, so a distributed run can be compared with a single-process refer
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,10 +59,27 @@ MODELS = {
 }
 
 
+_SEEDING = threading.Lock()
+
+
+@contextmanager
+def seeded(seed: int):
+    """Torch's global generator seeded with ``seed`` for what is built inside, one thread at a time: the
+    grader judges learners in threads (``lablib grade --jobs``), and two threads seeding at once would
+    interleave their draws and build other weights than the ranks did."""
+    with _SEEDING:
+        torch.manual_seed(seed)
+        yield
+
+
 def build_model(name: str, seed: int = 0) -> nn.Sequential:
     """The same initial weights on every rank and in the single-process reference. Each child of the
     returned Sequential is one unit: the granularity at which ZeRO-3 gathers and frees."""
-    torch.manual_seed(seed)
+    with seeded(seed):
+        return _build(name)
+
+
+def _build(name: str) -> nn.Sequential:
     if name == "mlp":
         return nn.Sequential(nn.Sequential(nn.Linear(13, 37), nn.ReLU()),
                              nn.Sequential(nn.Linear(37, 37), nn.ReLU()), nn.Linear(37, 7))

@@ -607,3 +607,26 @@ def test_the_gradebook_goes_to_an_lms_and_to_junit_from_the_command_line(course,
                            str(tmp_path / "x.csv"), "--lms", "moodle", "--roster", str(roster)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "identity columns" in proc.stderr and not (tmp_path / "x.csv").exists()
+
+
+def test_judges_in_threads_build_the_weights_the_ranks_built():
+    """`--jobs N` judges learners in threads, and the judges (and a check's given data) build their layers
+    from torch's global generator: seeding is one thread at a time (toy.seeded), else two learners' draws
+    interleave and a right answer fails against another reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from lablib.strategies import pipeline, tp_reference
+    from lablib.toy import build_model
+
+    def weights(seed):
+        ff, att = tp_reference.layers(seed)
+        return [p.detach().clone() for m in (ff, att, build_model("mlp", seed), pipeline.model(seed=seed))
+                for p in m.parameters()]
+
+    alone = {seed: weights(seed) for seed in range(8)}
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            for seed, got in zip(range(8), pool.map(weights, range(8))):
+                assert all(torch.equal(a, b) for a, b in zip(got, alone[seed])), seed

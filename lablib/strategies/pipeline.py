@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import comm
 from ..timeline import _now, span
+from ..toy import seeded
 
 
 class Block(nn.Module):
@@ -32,8 +33,8 @@ class Block(nn.Module):
 
 def model(width: int = 32, layers: int = 8, seed: int = 0) -> nn.Sequential:
     """The lab's model: ``layers`` residual blocks of width ``width``, the same on every rank."""
-    torch.manual_seed(seed)
-    return nn.Sequential(*[Block(width) for _ in range(layers)])
+    with seeded(seed):
+        return nn.Sequential(*[Block(width) for _ in range(layers)])
 
 
 def data(width: int, rows: int, m: int, seed: int = 0):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..timeline import RECORDER, RawSpan, _now
-from ..toy import Attention, FeedForward
+from ..toy import Attention, FeedForward, seeded
 from .prefetch import start_recording
 
 
@@ -51,8 +51,8 @@ WIDE = dict(d=256, heads=8, ffn=1024, batch=4, tokens=128)  # measured block: 4 
 
 
 def wide_block(seed: int = 0):
-    torch.manual_seed(seed)
-    return Attention(WIDE["d"], WIDE["heads"]), FeedForward(WIDE["d"], WIDE["ffn"])
+    with seeded(seed):
+        return Attention(WIDE["d"], WIDE["heads"]), FeedForward(WIDE["d"], WIDE["ffn"])
 
 
 def _cut_at_comm(spans: list) -> list:

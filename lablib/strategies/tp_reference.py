@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import to_device
-from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward
+from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward, seeded
 from .prefetch import start_recording, step_times
 from .tensor_parallel import WIDE, Fns, _rank, block_job, leaves, wide_block
 
@@ -25,8 +25,8 @@ B, T = 3, 8  # a check's batch: 3 sequences of 8 tokens (T divides by 2 and 4 fo
 
 def layers(seed: int = 0):
     """The feed-forward and attention sub-blocks of the lab's transformer block (``toy``)."""
-    torch.manual_seed(seed)
-    return FeedForward(), Attention()
+    with seeded(seed):
+        return FeedForward(), Attention()
 
 
 def inputs(seed: int, *shape):
