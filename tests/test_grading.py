@@ -537,21 +537,26 @@ def test_solved_sources_follow_the_exercise_rules():
 
 
 def test_the_course_itself(tmp_path):
-    """Labs 00-03 as released: the solved sources get every check (flagged as the solution), an untouched
-    learner copy none, each with the reason."""
+    """The labs as released: the solved sources get every check (flagged as the solution), and so does every
+    task solved again in another style (tests/other_style.py: the rules refuse no honest way of writing
+    them); an untouched learner copy gets none, each with the reason."""
     from lablib.course.grade import grade
     from lablib.paths import LABS, SOURCES
+    from other_style import CELLS
 
-    for learner, folder in (("solved", SOURCES), ("untouched", LABS)):
+    for learner, folder in (("solved", SOURCES), ("untouched", LABS), ("other style", SOURCES)):
         (tmp_path / "subs" / learner).mkdir(parents=True)
         for path in SOURCES.glob("*.ipynb"):
-            (tmp_path / "subs" / learner / path.name).write_bytes((folder / path.name).read_bytes())
+            nb = json.loads((folder / path.name).read_text())
+            for cell in nb["cells"] if learner == "other style" else ():
+                cell["source"] = CELLS.get(cell.get("id"), cell["source"])
+            (tmp_path / "subs" / learner / path.name).write_text(json.dumps(nb))
     results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES, jobs=2)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
-    assert len(checks) == 2 * 21
+    assert len(checks) == 3 * 21 and len(CELLS) == 21
     for (learner, item), it in checks.items():
-        if learner == "solved":
-            assert it.status == "passed", (item, it.detail)
+        if learner != "untouched":
+            assert it.status == "passed", (learner, item, it.detail)
         else:
             assert (it.status, it.points) == ("failed", 0) and "is not done yet" in it.detail, (item, it.detail)
     assert all(lab.flags for lab in results if lab.learner == "solved")
