@@ -635,3 +635,12 @@ def test_judges_in_threads_build_the_weights_the_ranks_built():
         for _ in range(5):
             for seed, got in zip(range(8), pool.map(weights, range(8))):
                 assert all(torch.equal(a, b) for a, b in zip(got, alone[seed])), seed
+
+
+def test_the_box_removes_its_request_before_any_exercise_code_runs(tmp_path):
+    """The request holds what checks are given (lablib's schedules for Task 5.4, say): the runner reads it and
+    removes it before it runs the learner's cells."""
+    request, results = tmp_path / "request.json", tmp_path / "results.jsonl"
+    request.write_text(json.dumps({"nonce": "n", "check_timeout": 30, "labs": []}))
+    subprocess.run([sys.executable, "-m", "lablib.course.runner", str(request), str(results)], check=True, timeout=60)
+    assert not request.exists()

@@ -55,6 +55,7 @@ def main(request_path: str, results_path: str) -> int:
 
     with open(request_path, encoding="utf-8") as f:
         request = json.load(f)
+    os.unlink(request_path)  # what a check is given (lablib's schedules, say) is not left for exercise code to find
     # No file written here grows past what results need: the box's folder is on the grader's disk.
     resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE, MAX_FILE))
     nonce, limit = request["nonce"], float(request["check_timeout"])
