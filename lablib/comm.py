@@ -210,18 +210,20 @@ def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None):
     return None
 
 
-# (op, the tensor written into, bytes in) of each traced collective issued while a list is here (labs 03, 04)
+# (op, the tensor written into, bytes in, the peer of a send or recv) of each traced call issued while a list is here
 WATCH: list = [None]
 WORKS: list = [None]
 
 
-def watched(fn, *args, works: list | None = None):
+def watched(fn, *args, works: list | None = None, peers: bool = False):
     """``fn(*args)`` and the traced collectives it issued, in order: "all_reduce 3072" (its name and the
     bytes it took in). ``works``: a list that receives the handle of each one issued with ``async_op``
-    (``Work.waited`` then tells whether ``fn`` waited for it)."""
+    (``Work.waited`` then tells whether ``fn`` waited for it). ``peers``: a send or recv as "send 512 to 1"."""
     WATCH[0], WORKS[0] = [], works
     try:
-        return fn(*args), [f"{op} {nbytes}" for op, _, nbytes in WATCH[0]]
+        out = fn(*args)
+        return out, [f"{op} {nbytes}" + (f" {'to' if op == 'send' else 'from'} {peer}" if peers and peer is not None else "")
+                     for op, _, nbytes, peer in WATCH[0]]
     finally:
         WATCH[0] = WORKS[0] = None
 
@@ -260,7 +262,7 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, *
         if target is not None:
             check_collective(target, op)
     if WATCH[0] is not None:
-        WATCH[0].append((op, target, nbytes))
+        WATCH[0].append((op, target, nbytes, meta.get("peer")))
     back, device_target = None, target
     if (tensor.is_cuda or STAGE_CPU[0]) and _on_gloo(group):
         tensor, target, back = _staged(op, tensor, target)

@@ -1,4 +1,4 @@
-"""Every exercise cell of labs 00-05 solved again, in another style than the sources' (helpers, classes,
+"""Every exercise cell of labs 00-06 solved again, in another style than the sources' (helpers, classes,
 comprehensions, other loops and names), written from the notebooks' instructions: grading must pass them
 all (tests/test_grading.py), so the rules refuse no honest way of writing the tasks. Keyed by cell id."""
 
@@ -457,5 +457,110 @@ def execute(stages, actions):
                 sends.append(lablib.isend(gx, (s - 1) % n, tag=tag_of("B", mb, s - 1)))
     for handle in sends:
         handle.wait()
+''',
+    # -- lab 06 --------------------------------------------------------------------------------------------
+    "d82810a8": '''\
+def weight(a, total):
+    return torch.where(torch.isinf(total), torch.zeros_like(total), torch.exp(a - total))
+
+
+def merge(out, lse, block_out, block_lse):
+    total = torch.logaddexp(lse, block_lse)
+    return weight(lse, total).unsqueeze(-1) * out + weight(block_lse, total).unsqueeze(-1) * block_out, total
+
+
+def blockwise_attention(q, k, v, block, causal):
+    T = q.shape[-2]
+    where = torch.arange(T, device=q.device)
+    result = (q.new_zeros(q.shape), q.new_full(q.shape[:-1], -math.inf))
+    starts = list(range(0, k.shape[-2], block))
+    for start in starts:
+        end = min(start + block, k.shape[-2])
+        part = lablib.attend(q, k[..., start:end, :], v[..., start:end, :], where, where[start:end], causal)
+        result = merge(result[0], result[1], part[0], part[1])
+    return result
+''',
+    "c55a78fc": '''\
+def ring_attention(q, k, v, positions, causal):
+    me, world = dist.get_rank(), dist.get_world_size()
+    mine = positions[me]
+    out, lse = q.new_zeros(q.shape), q.new_full(q.shape[:-1], -math.inf)
+    kv = torch.cat([k[None], v[None]])
+    for step in range(world):
+        owner = (me - step) % world
+        pending = []
+        nxt = None
+        if step + 1 < world:
+            nxt = torch.empty_like(kv)
+            pending = [lablib.irecv(nxt, (me - 1) % world), lablib.isend(kv, (me + 1) % world)]
+        visible = (not causal) or bool(positions[owner][0] <= mine.max())
+        if visible:
+            block = lablib.attend(q, kv[0], kv[1], mine, positions[owner], causal)
+            out, lse = merge(out, lse, block[0], block[1])
+        [w.wait() for w in pending]
+        if nxt is not None:
+            kv = nxt
+    return out, lse
+''',
+    "03cd506e": '''\
+def block_grads(q, kk, vv, q_pos, k_pos, lse, grad_out, delta, causal):
+    scale = q.shape[-1] ** -0.5
+    scores = torch.matmul(q, kk.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(k_pos.view(1, -1) > q_pos.view(-1, 1), -math.inf)
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    ds = probs * (torch.matmul(grad_out, vv.transpose(-1, -2)) - delta)
+    return torch.matmul(ds, kk) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, torch.matmul(probs.transpose(-1, -2), grad_out)
+
+
+def ring_attention_backward(q, k, v, positions, out, lse, grad_out, causal):
+    me, world = dist.get_rank(), dist.get_world_size()
+    delta = (grad_out * out).sum(dim=-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros_like(kv)
+    for step in range(world):
+        owner = (me - step) % world
+        if not causal or positions[owner].min() <= positions[me].max():
+            gq, gk, gv = block_grads(q, kv[0], kv[1], positions[me], positions[owner], lse, grad_out, delta, causal)
+            dq = dq + gq
+            dkv = dkv + torch.stack([gk, gv])
+        parcel = torch.cat([kv, dkv])
+        arrived = torch.empty_like(parcel)
+        handles = [lablib.isend(parcel, (me + 1) % world), lablib.irecv(arrived, (me - 1) % world)]
+        for h in handles:
+            h.wait()
+        kv, dkv = arrived[:2], arrived[2:]
+    return dq, dkv[0], dkv[1]
+''',
+    "e3c244f2": '''\
+def zigzag_shard(x, rank, world_size):
+    size = x.shape[-2] // (2 * world_size)
+    late = 2 * world_size - 1 - rank
+    return torch.cat([x[..., rank * size:(rank + 1) * size, :], x[..., late * size:(late + 1) * size, :]], dim=-2)
+''',
+    "5c377270": '''\
+def exchange(x):
+    got = torch.empty_like(x)
+    lablib.all_to_all(got, x)
+    return got
+
+
+def ulysses_attention(q, k, v, causal):
+    p = dist.get_world_size()
+    B, H, t, D = q.shape
+    heads = H // p
+
+    def scatter_heads(x):
+        parts = exchange(torch.stack(x.split(heads, dim=1)))
+        return torch.cat(list(parts), dim=2)
+
+    def gather_heads(x):
+        parts = exchange(torch.stack(x.split(t, dim=2)))
+        return torch.cat(list(parts), dim=1)
+
+    where = torch.arange(t * p, device=q.device)
+    out, _ = lablib.attend(scatter_heads(q), scatter_heads(k), scatter_heads(v), where, where, causal)
+    return gather_heads(out)
 ''',
 }

@@ -37,15 +37,14 @@ def _ring(rank: int, n: int):
     return (rank + 1) % n, (rank - 1) % n
 
 
-def ring_attention(q, k, v, pos, causal: bool):
+def ring_attention(q, k, v, positions, causal: bool):
     """This rank's queries against every rank's keys and values, passed round the ring: at each step the
-    next chunk's transfer is posted before this one is computed, so it travels under the compute. ``pos``:
-    the positions this rank holds (the same layout on every rank). Returns (out, lse) of its queries."""
+    next chunk's transfer is posted before this one is computed, so it travels under the compute.
+    ``positions[r]``: the positions rank r holds. Returns (out, lse) of this rank's queries."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = _ring(rank, n)
+    pos = positions[rank]
     held = torch.stack([k, v])
-    positions = [torch.empty_like(pos) for _ in range(n)]
-    dist.all_gather(positions, pos)  # which positions each rank holds: a few integers, once
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), device=q.device)
     for step in range(n):
         src = (rank - step) % n
@@ -62,15 +61,14 @@ def ring_attention(q, k, v, pos, causal: bool):
     return out, lse
 
 
-def ring_attention_backward(q, k, v, pos, out, lse, grad_out, causal: bool):
+def ring_attention_backward(q, k, v, positions, out, lse, grad_out, causal: bool):
     """dq, dk, dv of this rank's chunk: each block's gradients recomputed from the saved lse (the
     probabilities are exp(scores - lse)); dk and dv travel with their key/value chunk and arrive home
     after the full circle of n hops."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = _ring(rank, n)
     scale = 1 / math.sqrt(q.shape[-1])
-    positions = [torch.empty_like(pos) for _ in range(n)]
-    dist.all_gather(positions, pos)
+    pos = positions[rank]
     delta = (grad_out * out).sum(-1, keepdim=True)                                     # (B, H, Tq, 1)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
     dq = torch.zeros_like(q)

@@ -18,20 +18,59 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..timeline import span
 from ..toy import seeded
+
+_BLOCKS: list = [None]  # (query rows, key rows) of each attend() while a check holds a list here
 
 
 def attend(q, k, v, q_pos, k_pos, causal: bool):
     """One block: q (B, H, Tq, D) against k, v (B, H, Tk, D); ``q_pos``, ``k_pos``: the tokens' positions in
     the whole sequence (a causal query sees the keys at its position and before). Returns the block's
     output (B, H, Tq, D) and per query row the log-sum-exp of its scaled scores (B, H, Tq): -inf, and an
-    output of zeros, for a row that sees no key of this block."""
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])            # (B, H, Tq, Tk)
-    if causal:
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                # (B, H, Tq)
-    seen = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)     # exp(-inf - -inf) would be NaN
+    output of zeros, for a row that sees no key of this block. Under a causal mask it computes only the
+    keys a run of consecutive queries can see, as an attention kernel skips masked tiles: a zig-zag chunk
+    costs what it sees, not the whole block."""
+    if _BLOCKS[0] is not None:
+        _BLOCKS[0].append((q.shape[-2], k.shape[-2]))
+    with span(f"attn {q.shape[-2]}x{k.shape[-2]}", "compute"):
+        if not causal:
+            return _attend(q, k, v, None)
+        out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+        lse = q.new_full(q.shape[:-1], float("-inf"))
+        for a, b in _runs(q_pos):
+            rows = q_pos[a:b]
+            seen = [torch.arange(c, d, device=k.device) for c, d in _runs(k_pos) if k_pos[c] <= rows[-1]]
+            if seen:
+                keys = torch.cat(seen)
+                out[..., a:b, :], lse[..., a:b] = _attend(q[..., a:b, :], k[..., keys, :], v[..., keys, :],
+                                                          k_pos[keys][None, :] > rows[:, None])
+        return out, lse
+
+
+def _attend(q, k, v, masked):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])                # (B, H, Tq, Tk)
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                    # (B, H, Tq)
+    seen = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)         # exp(-inf - -inf) would be NaN
     return torch.exp(scores - seen[..., None]) @ v, lse
+
+
+def _runs(pos) -> list[tuple[int, int]]:
+    """[start, end) index ranges of consecutive positions (one for a contiguous chunk, two for zig-zag)."""
+    breaks = ((pos[1:] != pos[:-1] + 1).nonzero().flatten() + 1).tolist()
+    edges = [0, *breaks, len(pos)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def blocks_of(fn, *args):
+    """``fn(*args)`` and the (query rows, key rows) of every block ``attend`` computed meanwhile."""
+    _BLOCKS[0] = []
+    try:
+        return fn(*args), list(_BLOCKS[0])
+    finally:
+        _BLOCKS[0] = None
 
 
 def positions(layout: str, rank: int, world_size: int, tokens: int) -> torch.Tensor:
@@ -68,3 +107,94 @@ def qkv(batch: int, heads: int, tokens: int, dim: int, seed: int = 0):
 def reference(q, k, v, causal: bool):
     """Single-process attention on the whole sequence: PyTorch's SDPA."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def reference_lse(q, k, causal: bool):
+    """The whole sequence's log-sum-exp of scaled scores per query row (B, H, T): what a blockwise
+    attention must end with."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    return torch.logsumexp(scores, -1)
+
+
+# -- measured: the ring on the ranks, the memory it holds, the bytes it moves ---------------------------------
+BIG = dict(batch=1, heads=8, tokens=2048, dim=32)  # the measured sequence: 2048 tokens, 8 heads of 32
+
+
+def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2, ulysses: bool = False,
+             **size) -> dict:
+    """``steps`` forwards of ring attention ``fn(q, k, v, positions, causal)`` (``ulysses``: all-to-all
+    attention ``fn(q, k, v, causal)``, contiguous) on this rank's part of the ``BIG`` sequence (``size``
+    overrides it), after a warm-up; the timeline records the last. Returns the seconds of each step and
+    this rank's attention work (causal query-key pairs)."""
+    import time
+
+    import torch.distributed as dist
+
+    from .. import comm
+    from .prefetch import start_recording
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    s = {**BIG, **size}
+    every = [comm.to_device(positions(layout, p, n, s["tokens"])) for p in range(n)]
+    q, k, v = (comm.to_device(t[..., every[r], :].contiguous())
+               for t in qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
+    seconds = []
+    for step in range(steps + 1):
+        if step == steps:
+            start_recording()
+        else:
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
+        comm.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    whole = torch.arange(s["tokens"])
+    return {"seconds": seconds[1:], "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"]}
+
+
+def saved_job(fn, tokens: int, heads: int = 4, dim: int = 32, causal: bool = True) -> int:
+    """On this rank: the bytes autograd keeps for the backward when it differentiates through ring
+    attention ``fn`` on this rank's part (contiguous) of a ``tokens``-long sequence (every block's scores
+    and probabilities): activation memory per rank, measured."""
+    import torch.distributed as dist
+
+    from .. import comm
+    from .tensor_parallel import saved_bytes
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    every = [comm.to_device(positions("contiguous", p, n, tokens)) for p in range(n)]
+    q, k, v = (comm.to_device(t[..., every[r], :].contiguous()).requires_grad_() for t in qkv(1, heads, tokens, dim))
+    return saved_bytes(fn, q, k, v, every, causal, params=())
+
+
+def saved_single(tokens: int, heads: int = 4, dim: int = 32, causal: bool = True) -> int:
+    """The same in one process, attention on the whole sequence (P = 1)."""
+    from .tensor_parallel import saved_bytes
+
+    q, k, v = (t.requires_grad_() for t in qkv(1, heads, tokens, dim))
+    pos = torch.arange(tokens)
+    return saved_bytes(attend, q, k, v, pos, pos, causal, params=())
+
+
+def kept_for_recompute(tokens: int, world_size: int, heads: int = 4, dim: int = 32) -> int:
+    """What a rank keeps for Task 6.3's backward, which recomputes each block from the saved lse: its q,
+    k, v and out (fp32) and the lse (one number per query row and head)."""
+    rows = tokens // world_size
+    return 4 * rows * heads * dim * 4 + rows * heads * 4
+
+
+def ring_bytes(tokens: int, heads: int, dim: int, world_size: int, batch: int = 1) -> dict:
+    """Bytes one rank sends in a forward, by formula (fp32): the ring passes its K and V chunk P-1 times;
+    all-to-all attention sends (P-1)/P of its q, k, v and output chunks once each."""
+    chunk = batch * heads * tokens // world_size * dim * 4
+    return {"ring": 2 * chunk * (world_size - 1), "all-to-all": 4 * chunk * (world_size - 1) / world_size}
+
+
+def modelled_activations(tokens: int, world_size: int, hidden: int = 4096, layers: int = 32) -> float:
+    """Modelled bytes of activations a GPU holds for one sequence of ``tokens``: Korthikanti et al.'s 34·s·h
+    bytes per layer (BF16, no T x T matrix kept, as FlashAttention and ring attention keep none), split by
+    context parallelism over ``world_size`` GPUs. An 8B-parameter Llama-like model: h = 4096, 32 layers."""
+    return 34 * tokens * hidden * layers / world_size

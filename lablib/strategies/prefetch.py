@@ -89,7 +89,7 @@ class Record:
                     pending.append([j, u.work.op, u.work.nbytes, self._unit_of(u.work.op, u.work.target) == j])
                 elif u.work is not None:
                     pending.append([j, type(u.work).__name__, 0, False])
-            issued = [[op, self._unit_of(op, target, i)] for op, target, _ in comm.WATCH[0]]
+            issued = [[op, self._unit_of(op, target, i)] for op, target, *_ in comm.WATCH[0]]
             comm.WATCH[0].clear()
             self.log.append({"moment": moment, "unit": i, "gathered": gathered, "pending": pending, "stale": stale,
                              "issued": issued})

@@ -1,0 +1,289 @@
+"""Lab 06 (context parallelism): one block's attention and the online-softmax merge against single-process
+SDPA, ring attention forward and backward and the all-to-all (Ulysses) attention on real Gloo ranks,
+contiguous and zig-zag, causal and not, the work each layout gives a rank, and Tasks 6.1-6.5's checks on
+right answers and typical mistakes."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lablib
+from lablib import comm
+from lablib.answers import lab06 as cp
+from lablib.checks import CheckFailed
+from lablib.checks.lab06 import check_blockwise, check_ring, check_ring_backward, check_ulysses, check_zigzag
+from lablib.strategies.context_parallel import attend, positions, qkv, reference, work_per_rank
+
+TOL = 1e-5
+SHAPE = (2, 4, 32, 8)  # B, H, T, D: T divides into 2P chunks at P = 2 and 4, H into P heads
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block", [32, 8, 5])
+def test_blockwise_attention_is_attention(causal, block):
+    q, k, v = qkv(*SHAPE, seed=1)
+    out, lse = cp.blockwise_attention(q, k, v, block, causal)
+    assert (out - reference(q, k, v, causal)).abs().max() < TOL
+    scores = q @ k.transpose(-2, -1) / SHAPE[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(SHAPE[2], SHAPE[2], dtype=torch.bool).triu(1), float("-inf"))
+    assert (lse - torch.logsumexp(scores, -1)).abs().max() < TOL
+
+
+def test_a_row_that_sees_no_key_stays_zeros_through_the_merge():
+    q, k, v = qkv(1, 1, 4, 8)
+    late = torch.arange(4, 8)  # keys after every query: a causal row sees none of them
+    out, lse = attend(q, k, v, torch.arange(4), late, causal=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+    both, both_lse = cp.merge(out, lse, out, lse)
+    assert not both.isnan().any() and torch.equal(both, torch.zeros_like(both)) and torch.isinf(both_lse).all()
+    mine, mine_lse = attend(q, k, v, torch.arange(4), torch.arange(4), causal=True)
+    merged, merged_lse = cp.merge(out, lse, mine, mine_lse)  # nothing plus something is the something
+    assert torch.allclose(merged, mine) and torch.allclose(merged_lse, mine_lse)
+
+
+def _ring_job(layout, causal, backward):
+    r, n = dist.get_rank(), dist.get_world_size()
+    q, k, v = lablib.to_device(*qkv(*SHAPE, seed=2))
+    every = [lablib.to_device(positions(layout, s, n, SHAPE[2])) for s in range(n)]
+    pos = every[r]
+    mine = [t[..., pos, :].contiguous() for t in (q, k, v)]
+    (out, lse), ops = comm.watched(cp.ring_attention, *mine, every, causal)
+    grads = None
+    if backward:
+        dout = lablib.to_device(torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)))[..., pos, :]
+        grads = cp.ring_attention_backward(*mine, every, out, lse, dout.contiguous(), causal)
+    return {"pos": pos, "out": out, "grads": grads, "ops": ops}
+
+
+def _whole(results, key, index=None):
+    """Every rank's part put back in sequence order."""
+    parts = [r[key] if index is None else r[key][index] for r in results]
+    whole = torch.empty(parts[0].shape[:-2] + (SHAPE[2], parts[0].shape[-1]))
+    for r, part in zip(results, parts):
+        whole[..., r["pos"], :] = part
+    return whole
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention_forward_and_backward_match_single_process_sdpa(cluster, layout, causal):
+    results = cluster.run(_ring_job, layout, causal, True)
+    q, k, v = (t.requires_grad_() for t in qkv(*SHAPE, seed=2))
+    want = reference(q, k, v, causal)
+    want.backward(torch.randn(SHAPE, generator=torch.Generator().manual_seed(3)))
+    assert (_whole(results, "out") - want.detach()).abs().max() < TOL
+    for i, t in enumerate((q, k, v)):
+        assert (_whole(results, "grads", i) - t.grad).abs().max() < 1e-4, ("dq", "dk", "dv")[i]
+    n, chunk = cluster.world_size, SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3] // cluster.world_size * 4
+    for r in results:  # K and V travel as one message per hop, n - 1 hops: no gather of the whole sequence
+        assert r["ops"] == [f"send {2 * chunk}", f"recv {2 * chunk}"] * (n - 1)
+
+
+def test_zigzag_evens_out_causal_work():
+    for n in (2, 4):
+        contiguous, zigzag = work_per_rank("contiguous", n, 64), work_per_rank("zigzag", n, 64)
+        assert sum(contiguous) == sum(zigzag) == 64 * 65 // 2
+        assert len(set(zigzag)) == 1
+        # rank P-1 against rank 0: (2P-1) times, up to the diagonal blocks' halves
+        assert contiguous[-1] / contiguous[0] == pytest.approx(2 * n - 1, rel=0.25)
+
+
+def test_zigzag_shard_holds_the_layouts_positions():
+    x = torch.arange(32).view(1, 1, 32, 1)
+    for n in (2, 4):
+        for r in range(n):
+            assert torch.equal(cp.zigzag_shard(x, r, n).flatten(), positions("zigzag", r, n, 32))
+
+
+def _ulysses_job(causal):
+    r, n = dist.get_rank(), dist.get_world_size()
+    q, k, v = lablib.to_device(*qkv(*SHAPE, seed=4))
+    mine = [t.chunk(n, -2)[r].contiguous() for t in (q, k, v)]
+    return comm.watched(cp.ulysses_attention, *mine, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_attention_matches_single_process_sdpa(cluster, causal):
+    results = cluster.run(_ulysses_job, causal)
+    want = reference(*qkv(*SHAPE, seed=4), causal)
+    got = torch.cat([out for out, _ in results], dim=-2)
+    assert (got - want).abs().max() < TOL
+    assert all(ops == [f"all_to_all {t}"] * 4 for _, ops in results
+               for t in [SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3] // cluster.world_size * 4])
+
+
+# -- the checks: right answers pass (lablib's, through collect and judge), typical mistakes are named ----------
+def _judged(check, fns, pool=None, seed=None):
+    n = pool.world_size if pool is not None else None
+    return check.judge(check.collect(fns, pool, seed), n, seed)
+
+
+def test_lablibs_answers_pass_every_check(cluster):
+    for seed in (None, 1, 2, 3, 4, 5):  # grading draws the shapes from its seed: every one must work
+        assert "exact" in _judged(check_blockwise, (cp.merge, cp.blockwise_attention), seed=seed)
+    assert "2P-1-r" in _judged(check_zigzag, (cp.zigzag_shard,), seed=3)
+    assert "hop" in _judged(check_ring, (cp.ring_attention,), cluster)
+    assert "hop" in _judged(check_ring, (cp.ring_attention,), cluster, seed=6)
+    assert "home" in _judged(check_ring_backward, (cp.ring_attention_backward,), cluster, seed=2)
+    assert "all-to-all" in _judged(check_ulysses, (cp.ulysses_attention,), cluster)
+
+
+def merge_summed(out, lse, block_out, block_lse):
+    return out + block_out, torch.logaddexp(lse, block_lse)
+
+
+def merge_nan(out, lse, block_out, block_lse):
+    new = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[..., None], new
+
+
+def merge(out, lse, block_out, block_lse):
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
+
+
+def blockwise_local_positions(q, k, v, block, causal):
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for start in range(0, k.shape[-2], block):
+        keys = k[..., start:start + block, :]
+        local = torch.arange(keys.shape[-2])  # the block's own 0.., not its place in the sequence
+        out, lse = merge(out, lse, *lablib.attend(q, keys, v[..., start:start + block, :],
+                                                  torch.arange(q.shape[-2]), local, causal))
+    return out, lse
+
+
+def blockwise_at_once(q, k, v, block, causal):
+    pos = torch.arange(q.shape[-2])
+    return lablib.attend(q, k, v, pos, pos, causal)
+
+
+def test_blockwise_mistakes_are_named():
+    with pytest.raises(CheckFailed, match="It looks like out \\+ block_out"):
+        check_blockwise(merge_summed, cp_blockwise_learner)
+    with pytest.raises(CheckFailed, match="gave NaN for rows that saw no key"):
+        check_blockwise(merge_nan, cp_blockwise_learner)
+    with pytest.raises(CheckFailed, match="positions in the whole sequence"):
+        check_blockwise(merge, blockwise_local_positions)
+    with pytest.raises(CheckFailed, match="called attend\\(\\) on blocks"):
+        check_blockwise(merge, blockwise_at_once)
+
+
+def cp_blockwise_learner(q, k, v, block, causal):
+    pos = torch.arange(q.shape[-2])
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for start in range(0, k.shape[-2], block):
+        out, lse = merge(out, lse, *lablib.attend(q, k[..., start:start + block, :], v[..., start:start + block, :],
+                                                  pos, pos[start:start + block], causal))
+    return out, lse
+
+
+def ring_to_everyone(q, k, v, positions, causal):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out, lse = lablib.attend(q, k, v, positions[rank], positions[rank], causal)
+    chunks = {rank: torch.stack([k, v])}
+    works = []
+    for other in range(n):
+        if other != rank:
+            chunks[other] = torch.empty_like(chunks[rank])
+            works += [lablib.isend(chunks[rank], other), lablib.irecv(chunks[other], other)]
+    for w in works:
+        w.wait()
+    for other in range(n):
+        if other != rank:
+            out, lse = merge(out, lse, *lablib.attend(q, chunks[other][0], chunks[other][1], positions[rank],
+                                                      positions[other], causal))
+    return out, lse
+
+
+def ring_own_positions(q, k, v, positions, causal):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    held = torch.stack([k, v])
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for step in range(n):
+        out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[rank], causal))
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            for w in works:
+                w.wait()
+            held = incoming
+    return out, lse
+
+
+def ring_gathered(q, k, v, positions, causal):
+    n = dist.get_world_size()
+    ks = torch.empty((n,) + k.shape)
+    lablib.all_gather(ks, k)
+    return q, q
+
+
+def test_ring_mistakes_are_named(cluster):
+    if cluster.world_size > 2:  # with 2 ranks, the next rank is every other rank
+        with pytest.raises(CheckFailed, match="each rank sends only to the next"):
+            check_ring(ring_to_everyone, cluster)
+    with pytest.raises(CheckFailed, match="positions\\[src\\]"):
+        check_ring(ring_own_positions, cluster)
+    with pytest.raises(CheckFailed, match="point-to-point"):
+        check_ring(ring_gathered, cluster)
+
+
+def backward_not_home(q, k, v, positions, out, lse, grad_out, causal):
+    """Sends the gradients on only between blocks, so they end one rank short of home."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pos, scale = positions[rank], 1 / math.sqrt(q.shape[-1])
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+    for step in range(n):
+        src = (rank - step) % n
+        kk, vv, dk, dv = travelling
+        scores = q @ kk.transpose(-2, -1) * scale
+        if causal:
+            scores = scores.masked_fill(positions[src][None, :] > pos[:, None], float("-inf"))
+        p = torch.exp(scores - lse[..., None])
+        dv += p.transpose(-2, -1) @ grad_out
+        ds = p * (grad_out @ vv.transpose(-2, -1) - delta)
+        dq += ds @ kk * scale
+        dk += ds.transpose(-2, -1) @ q * scale
+        if step < n - 1:
+            incoming = torch.empty_like(travelling)
+            works = [lablib.isend(travelling, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            for w in works:
+                w.wait()
+            travelling = incoming
+    return dq, travelling[2], travelling[3]
+
+
+def test_gradients_that_never_get_home_are_named(cluster):
+    with pytest.raises(CheckFailed, match="dk differs from SDPA's gradient.*travel round the ring"):
+        check_ring_backward(backward_not_home, cluster)
+
+
+def zigzag_reversed(x, rank, world_size):
+    chunks = x.chunk(2 * world_size, -2)
+    return torch.cat([chunks[2 * world_size - 1 - rank], chunks[rank]], -2)
+
+
+def ulysses_heads_first(q, k, v, causal):
+    n = dist.get_world_size()
+    B, H, t, D = q.shape
+
+    def swap(x):  # chunk j holds heads for rank j, but cut along the wrong dimension
+        send = x.reshape(B, H, n, t // n, D).permute(2, 0, 1, 3, 4).contiguous()
+        got = torch.empty_like(send)
+        lablib.all_to_all(got, send)
+        return got.transpose(0, 1).reshape(B, H, t, D)
+
+    pos = torch.arange(t)
+    out, _ = lablib.attend(swap(q), swap(k), swap(v), pos, pos, causal)
+    return swap(out)
+
+
+def test_zigzag_and_ulysses_mistakes_are_named(cluster):
+    with pytest.raises(CheckFailed, match="rank r takes chunks r and"):
+        check_zigzag(zigzag_reversed)
+    with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA"):
+        check_ulysses(ulysses_heads_first, cluster)
