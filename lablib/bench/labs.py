@@ -1,12 +1,15 @@
 """The labs' claims, each against what it is compared with on the same ranks: the learner's rings
 against Gloo's collectives (P3, lab 02), FSDP with prefetching against FSDP2 (P4) and what it hides
 (P5, lab 03), the pipeline executor and its bubbles (P6, lab 05), the tensor-parallel block against
-DTensor (P9, lab 04)."""
+DTensor (P9, lab 04), ring attention against single-process SDPA and the memory it keeps per rank (P10, lab 06)."""
 from __future__ import annotations
 
 import contextlib
 import io
 import statistics
+import time
+
+import torch
 
 from .rows import Row, Settings, side_by_side
 
@@ -122,4 +125,68 @@ def p6_pipeline(s: Settings) -> list[Row]:
                                 f"{'real' if cost is None else f'simulated ({cost * 1e3:g} ms per block)'} compute",
                                 "", errors, target="within +-0.05", met=max(abs(e) for e in errors) <= 0.05,
                                 note="; ".join(f"m={k}: {b:.3f} vs {t:.3f}" for k, b, t in runs)))
+    return rows
+
+
+def _ring_step(steps: int = 3) -> float:
+    """On each rank: the median seconds of lab 06's ring attention forward and backward (lablib's answer)
+    on this rank's part of ``BIG``, causal, zig-zag."""
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..answers import lab06
+    from ..strategies import context_parallel as cp
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    s = cp.BIG
+    every = [comm.to_device(cp.positions("zigzag", p, n, s["tokens"])) for p in range(n)]
+    q, k, v = (comm.to_device(t[..., every[r], :].contiguous()) for t in cp.qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
+    dout = torch.ones_like(q)
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out, lse = lab06.ring_attention(q, k, v, every, True)
+        lab06.ring_attention_backward(q, k, v, every, out, lse, dout, True)
+        comm.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _sdpa_step(steps: int = 3) -> float:
+    """Single-process SDPA forward and backward on the whole ``BIG`` sequence, causal: the median seconds."""
+    import torch.nn.functional as F
+
+    from ..strategies import context_parallel as cp
+
+    s = cp.BIG
+    q, k, v = (t.requires_grad_() for t in cp.qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def p10_context(s: Settings) -> list[Row]:
+    """Lab 06: ring attention forward+backward against single-process SDPA on the same sequence, and the
+    activation memory a rank keeps through the ring against one process's."""
+    from ..answers import lab06
+    from ..pool import Cluster
+    from ..strategies import context_parallel as cp
+
+    rows = []
+    single = cp.saved_single(1024)
+    for n in (2, 4):
+        ours, theirs = side_by_side(s, n, lambda c: max(c.run(_ring_step)) * 1e3, lambda c: _sdpa_step() * 1e3)
+        rows.append(Row("P10", f"ring attention forward+backward (lab 06's solution), {cp.BIG['tokens']} tokens, causal, "
+                        f"zig-zag, {n} ranks", "ms", ours, theirs, "single-process SDPA, same sequence", "",
+                        note="informational: one CPU's cores shared by the ranks"))
+        with Cluster(n, backend=s.backend, timeout=60, quiet=True) as c:
+            held = max(c.run(cp.saved_job, lab06.ring_attention, 1024))
+        row = Row("P10", f"activation memory per rank, autograd through the ring, 1024 tokens, {n} ranks", "MiB",
+                  [held / 2**20], [single / 2**20], "one process (P = 1)", f"<= 1.1/{n} x")
+        row.met = row.ratio <= 1.1 / n
+        rows.append(row)
     return rows
