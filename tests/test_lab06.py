@@ -287,3 +287,25 @@ def test_zigzag_and_ulysses_mistakes_are_named(cluster):
         check_zigzag(zigzag_reversed)
     with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA"):
         check_ulysses(ulysses_heads_first, cluster)
+
+
+def ring_recv_late(q, k, v, positions, causal):
+    """Computes each block, then exchanges the chunk: nothing travels under the compute."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    held = torch.stack([k, v])
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for step in range(n):
+        src = (rank - step) % n
+        out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            for w in works:
+                w.wait()
+            held = incoming
+    return out, lse
+
+
+def test_a_receive_posted_after_the_compute_is_named(cluster):
+    with pytest.raises(CheckFailed, match="no receive posted"):
+        check_ring(ring_recv_late, cluster)

@@ -141,8 +141,13 @@ def ring_job(fns, backward: bool, seed=None) -> dict:
         every = [to_device(cp.positions(layout, s, n, T)) for s in range(n)]
         mine = [t[..., every[r], :].contiguous() for t in (q, k, v)]
         for causal in (False, True):
+            flight = None
             if not backward:
-                got, ops = watched(fns[0], *mine, every, causal, peers=True)
+                cp._IN_FLIGHT[0], works = [], []
+                try:
+                    got, ops = watched(fns[0], *mine, every, causal, works=works, peers=True)
+                finally:
+                    flight, cp._IN_FLIGHT[0] = cp._IN_FLIGHT[0], None
             else:
                 whole_out, whole_lse = cp.reference(q, k, v, causal), cp.reference_lse(q, k, causal)
                 rows = every[r]
@@ -150,7 +155,7 @@ def ring_job(fns, backward: bool, seed=None) -> dict:
                 got, ops = watched(fns[0], *mine, every, whole_out[..., rows, :].contiguous(),
                                    whole_lse[..., rows].contiguous(), dout, causal, peers=True)
             out[f"{layout}/{causal}"] = {"got": list(got) if isinstance(got, (tuple, list)) else got, "ops": ops,
-                                         "rows": every[r]}
+                                         "rows": every[r], "in_flight": flight}
     return out
 
 
@@ -225,12 +230,23 @@ def _judge_ring(task, data, n, seed, backward: bool) -> float:
     return worst
 
 
+def _posted_first(task, data, n):
+    """Each rank's first block was computed with the next chunk's receive already posted."""
+    for rank, per in enumerate(data):
+        flight = per["contiguous/False"]["in_flight"]
+        if n > 1 and flight and not flight[0]:
+            raise CheckFailed(f"{task}: rank {rank} computed its first block with no receive posted: the recv of the "
+                              "next chunk came after the compute that could have hidden it. Post the next chunk's "
+                              "lablib.isend and lablib.irecv first, attend to the chunk you hold, then wait.")
+
+
 def collect_ring(fns, pool, seed):
     return run_on_ranks(pool, "Task 6.2", ring_job, fns, False, seed)
 
 
 def judge_ring(data, world_size, seed) -> str:
     worst = _judge_ring("Task 6.2", data, world_size, seed, False)
+    _posted_first("Task 6.2", data, world_size)
     return (f" on {world_size} ranks, contiguous and zig-zag, causal and not: equal to SDPA (max error {worst:.1e}), "
             f"K/V passed to the next rank in {world_size - 1} hop{'s' if world_size > 2 else ''}")
 

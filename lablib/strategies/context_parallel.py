@@ -22,6 +22,7 @@ from ..timeline import span
 from ..toy import seeded
 
 _BLOCKS: list = [None]  # (query rows, key rows) of each attend() while a check holds a list here
+_IN_FLIGHT: list = [None]  # per attend(), the receives posted and not yet waited for (comm.watched's works)
 
 
 def attend(q, k, v, q_pos, k_pos, causal: bool):
@@ -33,6 +34,10 @@ def attend(q, k, v, q_pos, k_pos, causal: bool):
     costs what it sees, not the whole block."""
     if _BLOCKS[0] is not None:
         _BLOCKS[0].append((q.shape[-2], k.shape[-2]))
+    if _IN_FLIGHT[0] is not None:
+        from ..comm import WORKS
+
+        _IN_FLIGHT[0].append(sum(1 for w in WORKS[0] or () if w.op == "recv" and not w.waited))
     with span(f"attn {q.shape[-2]}x{k.shape[-2]}", "compute"):
         if not causal:
             return _attend(q, k, v, None)
