@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .device_audit import check_collective
 from .device_audit import enabled as _audited
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
-from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back
+from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back, message_over_link
 
 # torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
 # loops). PyTorch 2.13 renamed them and warns on the old names.
@@ -164,6 +164,7 @@ LINKS = {
 class _Simulation:
     link: Link | None = None
     free = 0  # when the link finishes what it carries now (span clock, ns)
+    sends = [0]  # when this rank's outgoing link finishes its messages in flight (ns)
 
 
 _SIM = _Simulation()
@@ -171,10 +172,10 @@ _SIM = _Simulation()
 
 @contextmanager
 def simulated(link: Link | None):
-    """Within the block, this rank's traced collectives run over ``link`` (None: the real one). Every
-    rank must enter it together (after a barrier): the ranks' span clocks restart in step."""
+    """Within the block, this rank's traced collectives, sends and receives run over ``link`` (None: the
+    real one). Every rank must enter it together (after a barrier): the ranks' span clocks restart in step."""
     before = _SIM.link
-    _SIM.link, _SIM.free = link, 0
+    _SIM.link, _SIM.free, _SIM.sends = link, 0, [0]
     restart_clock()
     try:
         yield link
@@ -255,7 +256,7 @@ def _staged(op, tensor, target):
     return host, None, [] if op == "send" else [(host, tensor)]
 
 
-def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, **meta):
+def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, stamp=None, **meta):
     """``call(tensor, target)`` traced as one comm span (or a ``Work`` when ``async_op``)."""
     if _audited():
         check_collective(tensor, op)
@@ -266,7 +267,9 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, *
     back, device_target = None, target
     if (tensor.is_cuda or STAGE_CPU[0]) and _on_gloo(group):
         tensor, target, back = _staged(op, tensor, target)
-    if _SIM.link is not None and op not in ("send", "recv"):
+    if _SIM.link is not None and op in ("send", "recv"):
+        return message_over_link(_SIM.link, name, nbytes, async_op, call, stamp, tensor, op, meta, back, _SIM.sends)
+    if _SIM.link is not None:
         out = _over_link(_SIM.link, name, nbytes, async_op, lambda: call(tensor, target), op, meta, device_target, back)
         if back and not async_op:
             copy_back(back)
@@ -343,8 +346,12 @@ def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
     default = f"send to {peer}" if op == "send" else f"recv from {peer}"
     if tag:
         meta["tag"] = tag
+    stamp = dist.isend if op == "send" else dist.irecv  # a simulated message's arrival time, on a tag of its own
     return _traced(name or default, tensor.nbytes, async_op, lambda t, _: call(t, peer, group, tag), tensor, op,
-                   group=group, peer=peer, **meta)
+                   group=group, stamp=lambda t: stamp(t, peer, group, tag + _STAMP_TAG), peer=peer, **meta)
+
+
+_STAMP_TAG = 1 << 30
 
 
 def send(tensor, dst, group=None, name=None, tag=0, **meta):

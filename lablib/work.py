@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .timeline import AsyncSpan, _now, span
+from .timeline import RECORDER, AsyncSpan, RawSpan, _now, span
 
 
 class Work:
@@ -67,9 +67,12 @@ class Work:
         return self._target
 
     def wait(self, *args):
-        if self._end is not None:  # the data is here already; the link would still be busy until _end
-            _sleep_until(self._end)
-            self._span.close(at=self._end)
+        if self._end is not None:  # the link would still be busy until _end (a message's: when it arrives)
+            if isinstance(self._work, _Message):  # a collective's work completed before its Work was made
+                self._work.wait()
+            end = self._end() if callable(self._end) else self._end
+            _sleep_until(end)
+            self._span.close(at=end)
             self._finish()
             return True
         if self._done is not None:
@@ -96,12 +99,61 @@ class Work:
         place: copied back, its error raised). Nothing else of the raw handle is passed on: its future
         or its own wait would complete the work behind ``waited``, which the checks judge."""
         if self._end is not None:
-            done = _now() >= self._end
+            done = (not isinstance(self._work, _Message) or self._work.is_completed()) and \
+                _now() >= (self._end() if callable(self._end) else self._end)
         else:
             done = self._done.is_set() if self._done is not None else self._work.is_completed()
         if done:
             self.wait()
         return done
+
+
+class _Message:
+    """A message under a simulated link: its data and the time it arrives (the sender's clock, which the
+    ranks of one machine share), sent to the same peer on a tag of its own."""
+
+    def __init__(self, works, stamp):
+        self._works, self._stamp = [w for w in works if hasattr(w, "wait")], stamp  # a blocking call returns no work
+
+    def wait(self, *args):
+        while self._works:  # each once: waiting again on a completed Gloo recv waits for another message
+            self._works[0].wait()
+            self._works.pop(0)
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def arrival(self) -> int:
+        self.wait()
+        return int(self._stamp.item())
+
+
+def message_over_link(link, name, nbytes, async_op, call, stamp_call, tensor, op, meta, back, free: list):
+    """A send or recv over a simulated ``link`` (lablib.comm.simulated): the data moves for real; the send
+    takes α + bytes/β on this rank's outgoing link (``free[0]``: when that is free, ns) and ends when the
+    message arrives; the recv ends at that arrival, or when it is posted if the message came before."""
+    issued = _now()
+    stamp = torch.zeros(1, dtype=torch.int64, device=tensor.device)
+    end = None
+    if op == "send":
+        start = max(issued, free[0])
+        end = free[0] = start + round((link.alpha + nbytes / link.beta) * 1e9)
+        stamp.fill_(end)
+    message = _Message([call(tensor, None), stamp_call(stamp)], stamp)
+    meta = {**meta, "op": op, "simulated": link.name}
+    if async_op:
+        trace = AsyncSpan(name, "comm", nbytes, **meta)
+        trace.t0 = issued
+        return Work(message, trace, end if end is not None else (lambda: max(issued, message.arrival())), back=back)
+    end = end if end is not None else max(issued, message.arrival())
+    message.wait()
+    _sleep_until(end)
+    if RECORDER.spans is not None:
+        RECORDER.spans.append(RawSpan(name, "comm", issued, end, RECORDER.depth, nbytes, False, meta))
+    if back:
+        copy_back(back)
+    return None
 
 
 def copy_back(pairs) -> None:

@@ -309,3 +309,50 @@ def ring_recv_late(q, k, v, positions, causal):
 def test_a_receive_posted_after_the_compute_is_named(cluster):
     with pytest.raises(CheckFailed, match="no receive posted"):
         check_ring(ring_recv_late, cluster)
+
+
+# -- sends and receives over a simulated link: the ring's overlap picture on a CPU ------------------------------
+SLOW = comm.Link("test link", 1e-3, 100e6)  # 1 ms + 10 ms a megabyte
+
+
+def _exchange():
+    r = dist.get_rank()
+    x, got = torch.full((250_000,), float(r)), torch.empty(250_000)  # 1 MB each way
+    dist.barrier()
+    with comm.simulated(SLOW):
+        works = [lablib.isend(x, 1 - r), lablib.irecv(got, 1 - r)]
+        for w in works:
+            w.wait()
+        dist.barrier()
+        if r == 0:
+            lablib.send(x, 1)
+            lablib.recv(got, 1)
+        else:
+            lablib.recv(got, 0)
+            lablib.send(x, 0)
+    return got[0].item()
+
+
+def test_messages_over_a_simulated_link_take_the_modelled_time_and_deliver_the_data():
+    with lablib.Cluster(2, quiet=True, timeout=20) as c:
+        assert c.run(_exchange) == [1.0, 0.0]
+        spans = c.timeline().spans
+    model = SLOW.alpha + 1e6 / SLOW.beta  # 11 ms
+    sends = [s for s in spans if s.meta.get("op") == "send"]
+    assert len(sends) == 4 and all(s.meta["simulated"] == "test link" for s in sends)
+    for s in sends:  # a send ends when its message arrives: the link's time, whatever the real transfer took
+        assert s.end - s.start == pytest.approx(model, abs=2e-3)
+    for s in (s for s in spans if s.meta.get("op") == "recv"):  # a recv ends at that arrival, never before
+        assert s.end - s.start <= model + 3e-3
+    ping, pong = sorted((s for s in sends if not s.meta.get("async")), key=lambda s: s.start)[-2:]
+    assert pong.start >= ping.end - 1e-3  # the blocking pong starts once the ping has arrived
+
+
+def test_the_ring_over_a_simulated_link_hides_its_transfers(cluster):
+    from lablib.strategies.context_parallel import ring_job
+
+    cluster.run(ring_job, cp.ring_attention, "contiguous", False, 1, False, comm.LINKS["10GbE"], tokens=512)
+    timeline = cluster.timeline()
+    assert all(s.meta.get("simulated") for s in timeline.spans if s.kind == "comm")
+    from lablib.overlap import hidden_fraction
+    assert hidden_fraction(timeline) > 0

@@ -129,11 +129,12 @@ BIG = dict(batch=1, heads=8, tokens=2048, dim=32)  # the measured sequence: 2048
 
 
 def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2, ulysses: bool = False,
-             **size) -> dict:
+             link=None, **size) -> dict:
     """``steps`` forwards of ring attention ``fn(q, k, v, positions, causal)`` (``ulysses``: all-to-all
     attention ``fn(q, k, v, causal)``, contiguous) on this rank's part of the ``BIG`` sequence (``size``
-    overrides it), after a warm-up; the timeline records the last. Returns the seconds of each step and
-    this rank's attention work (causal query-key pairs)."""
+    overrides it), after a warm-up; the timeline records the last. ``link``: messages over a simulated
+    link (``comm.LINKS``). Returns the seconds of each step and this rank's attention work (causal
+    query-key pairs)."""
     import time
 
     import torch.distributed as dist
@@ -152,10 +153,11 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
             start_recording()
         else:
             dist.barrier()
-        t0 = time.perf_counter()
-        fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
-        comm.synchronize()
-        seconds.append(time.perf_counter() - t0)
+        with comm.simulated(link):
+            t0 = time.perf_counter()
+            fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
+            comm.synchronize()
+            seconds.append(time.perf_counter() - t0)
     whole = torch.arange(s["tokens"])
     return {"seconds": seconds[1:], "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"]}
 
