@@ -356,3 +356,45 @@ def test_the_ring_over_a_simulated_link_hides_its_transfers(cluster):
     assert all(s.meta.get("simulated") for s in timeline.spans if s.kind == "comm")
     from lablib.overlap import hidden_fraction
     assert hidden_fraction(timeline) > 0
+
+
+def ring_then_all_at_once(q, k, v, positions, causal):
+    """A real ring that only collects the chunks, then one attention over all of them."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    held, kept = torch.stack([k, v]), {rank: torch.stack([k, v])}
+    for step in range(1, n):
+        incoming = torch.empty_like(held)
+        works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        for w in works:
+            w.wait()
+        held = kept[(rank - step) % n] = incoming
+    order = sorted(kept)
+    keys = torch.cat([kept[s][0] for s in order], -2)
+    values = torch.cat([kept[s][1] for s in order], -2)
+    return lablib.attend(q, keys, values, positions[rank], torch.cat([positions[s] for s in order]), causal)
+
+
+def ulysses_batch_mixed(q, k, v, causal):
+    """The first all-to-all right; coming back, the rank and batch dimensions are left swapped."""
+    n = dist.get_world_size()
+    B, H, t, D = q.shape
+
+    def to_heads(x):
+        send = x.reshape(B, n, H // n, t, D).transpose(0, 1).contiguous()
+        got = torch.empty_like(send)
+        lablib.all_to_all(got, send)
+        return got.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * t, D)
+
+    pos = torch.arange(t * n)
+    out, _ = lablib.attend(to_heads(q), to_heads(k), to_heads(v), pos, pos, causal)
+    send = out.reshape(B, H // n, n, t, D).permute(2, 0, 1, 3, 4).contiguous()
+    got = torch.empty_like(send)
+    lablib.all_to_all(got, send)
+    return got.reshape(B, H, t, D)  # should be got.transpose(0, 1).reshape(...)
+
+
+def test_a_ring_that_attends_to_everything_at_once_and_a_batch_mixed_up_are_named(cluster):
+    with pytest.raises(CheckFailed, match="one call per chunk"):
+        check_ring(ring_then_all_at_once, cluster)
+    with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA"):
+        check_ulysses(ulysses_batch_mixed, cluster)

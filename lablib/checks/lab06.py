@@ -22,9 +22,9 @@ _NO_LIBRARY = {**COLLECTIVES, **_OWN}
 def shape(seed) -> tuple:
     """(B, H, T, D): T divides into 2P chunks and H into P heads at P = 2, 3 and 4."""
     if seed is None:
-        return (1, 12, 48, 8)
+        return (2, 12, 48, 8)  # a batch of 2: a layout that mixes up batch and ranks shows
     rng = random.Random(seed)
-    return (rng.randint(1, 2), 12, 24 * rng.randint(1, 3), rng.choice((4, 8)))
+    return (2, 12, 24 * rng.randint(1, 3), rng.choice((4, 8)))
 
 
 def _inputs(seed):
@@ -141,11 +141,11 @@ def ring_job(fns, backward: bool, seed=None) -> dict:
         every = [to_device(cp.positions(layout, s, n, T)) for s in range(n)]
         mine = [t[..., every[r], :].contiguous() for t in (q, k, v)]
         for causal in (False, True):
-            flight = None
+            flight = blocks = None
             if not backward:
                 cp._IN_FLIGHT[0], works = [], []
                 try:
-                    got, ops = watched(fns[0], *mine, every, causal, works=works, peers=True)
+                    (got, ops), blocks = cp.blocks_of(watched, fns[0], *mine, every, causal, works=works, peers=True)
                 finally:
                     flight, cp._IN_FLIGHT[0] = cp._IN_FLIGHT[0], None
             else:
@@ -155,7 +155,7 @@ def ring_job(fns, backward: bool, seed=None) -> dict:
                 got, ops = watched(fns[0], *mine, every, whole_out[..., rows, :].contiguous(),
                                    whole_lse[..., rows].contiguous(), dout, causal, peers=True)
             out[f"{layout}/{causal}"] = {"got": list(got) if isinstance(got, (tuple, list)) else got, "ops": ops,
-                                         "rows": every[r], "in_flight": flight}
+                                         "rows": every[r], "in_flight": flight, "blocks": blocks}
     return out
 
 
@@ -199,18 +199,23 @@ def _judge_ring(task, data, n, seed, backward: bool) -> float:
                     if not isinstance(got, list) or len(got) != 3:
                         raise CheckFailed(f"{task}: ring_attention_backward returned {type(got).__name__}; expected "
                                           "(dq, dk, dv).")
-                    for name, g, w in zip(("dq", "dk", "dv"), got, grads):
-                        err = max_error(g, w[..., rows, :], f"{task}: {where}: {name}")
-                        if err > TOL:
-                            hint = {"dq": "dq sums over every block: ds @ k, scaled by 1/sqrt(d), with ds = p * (dp - "
-                                          "rowsum(dout * out)) and p = exp(scores - lse).",
-                                    "dk": "dk and dv belong to the chunk's home rank: they travel round the ring with "
-                                          "their K/V chunk, each rank adding its queries' part, and arrive home after "
-                                          "world_size hops.",
-                                    "dv": "dv += p^T @ dout at each block, on the chunk's own dv travelling with it; "
-                                          "after world_size hops it is back home."}[name]
-                            raise CheckFailed(f"{task}: {where}: {name} differs from SDPA's gradient by {err:.2e}. {hint}")
-                        worst = max(worst, err)
+                    errs = {name: max_error(g, w[..., rows, :], f"{task}: {where}: {name}")
+                            for name, g, w in zip(("dq", "dk", "dv"), got, grads)}
+                    bad = [name for name, err in errs.items() if err > TOL]
+                    if bad:
+                        name = bad[0]
+                        hint = {"dq": "dq sums over every block: ds @ k, scaled by 1/sqrt(d), with ds = p * (dp - "
+                                      "rowsum(dout * out)) and p = exp(scores - lse).",
+                                "dk": "dk += ds^T @ q at each block, scaled by 1/sqrt(d), on the chunk's own dk.",
+                                "dv": "dv += p^T @ dout at each block, on the chunk's own dv."}[name]
+                        if "dk" in bad and "dv" in bad:
+                            hint = ("dk and dv belong to the chunk's home rank: they travel round the ring with their "
+                                    "K/V chunk, each rank adding its queries' part, and arrive home after world_size hops.")
+                        if causal:
+                            hint += (" Without the mask this was right: mask the scores where a key comes after its "
+                                     "query, as the forward does, before p = exp(scores - lse).")
+                        raise CheckFailed(f"{task}: {where}: {name} differs from SDPA's gradient by {errs[name]:.2e}. {hint}")
+                    worst = max([worst, *errs.values()])
                     _messages(task, rank, n, res["ops"], n, 4 * chunk, "K, V, dK and dV", least=(2 * n - 1) * 2 * chunk)
                 else:
                     out, got_lse = got
@@ -222,7 +227,8 @@ def _judge_ring(task, data, n, seed, backward: bool) -> float:
                         raise CheckFailed(f"{task}: {where}: the output differs from SDPA on the whole sequence by "
                                           f"{err:.2e}. Attend to the chunk held at each step with its home rank's "
                                           "positions (positions[src], src = (rank - step) % world_size), merging as in "
-                                          "Task 6.1.")
+                                          "Task 6.1; receive the next chunk into a fresh buffer, as the one you hold is "
+                                          "still being sent.")
                     if max_error(got_lse, lse[..., rows], f"{task}: {where}: lse") > TOL:
                         raise CheckFailed(f"{task}: {where}: the lse differs from the whole sequence's.")
                     worst = max(worst, err)
@@ -231,8 +237,15 @@ def _judge_ring(task, data, n, seed, backward: bool) -> float:
 
 
 def _posted_first(task, data, n):
-    """Each rank's first block was computed with the next chunk's receive already posted."""
+    """Each rank attended to every chunk with lablib.attend (not to everything at once, by other means), and
+    computed its first block with the next chunk's receive already posted."""
     for rank, per in enumerate(data):
+        blocks = [tuple(b) for b in per["contiguous/False"]["blocks"] or ()]
+        size = len(per["contiguous/False"]["rows"])
+        if blocks != [(size, size)] * n:
+            raise CheckFailed(f"{task}: without a mask, rank {rank} called lablib.attend on blocks (queries, keys) "
+                              f"{blocks[:6]}; a ring attends its {size} queries to each of the {n} chunks it holds, "
+                              f"one call per chunk: {[(size, size)] * n}.")
         flight = per["contiguous/False"]["in_flight"]
         if n > 1 and flight and not flight[0]:
             raise CheckFailed(f"{task}: rank {rank} computed its first block with no receive posted: the recv of the "
@@ -286,7 +299,7 @@ def judge_zigzag(data, world_size, seed) -> str:
         for r, got in enumerate(parts):
             want = cp.positions("zigzag", r, n, T).view(1, 1, -1, 1)
             if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
-                raise CheckFailed(f"Task 6.4: with {n} ranks and {T} tokens, rank {r} should hold positions "
+                raise CheckFailed(f"Task 6.4: with {n} rank(s) and {T} tokens, rank {r} should hold positions "
                                   f"{want.flatten().tolist()}, got {got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}: "
                                   "cut the sequence into 2 x world_size chunks; rank r takes chunks r and "
                                   "2 x world_size - 1 - r, in that order.")
@@ -307,8 +320,8 @@ def ulysses_job(fn, seed=None) -> dict:
     q, k, v = (to_device(t) for t in _inputs(seed))
     out = {}
     for causal in (False, True):
-        got, ops = watched(fn, *[t.chunk(n, -2)[r].contiguous() for t in (q, k, v)], causal)
-        out[str(causal)] = {"got": got, "ops": ops}
+        (got, ops), blocks = cp.blocks_of(watched, fn, *[t.chunk(n, -2)[r].contiguous() for t in (q, k, v)], causal)
+        out[str(causal)] = {"got": got, "ops": ops, "blocks": blocks}
     return out
 
 
@@ -330,6 +343,10 @@ def judge_ulysses(data, world_size, seed) -> str:
                                   "After the all-to-all a rank holds every token of H/P heads, in sequence order "
                                   "(rank j's tokens in chunk j); attention runs on the whole sequence, then the "
                                   "all-to-all back returns each rank its own tokens of every head.")
+            T = shape(seed)[2]
+            if [tuple(b) for b in res["blocks"]] != [(T, T)]:
+                raise CheckFailed(f"Task 6.5: rank {rank} called lablib.attend on blocks (queries, keys) {res['blocks'][:6]}; "
+                                  f"after the all-to-all a rank attends once, every one of the {T} tokens of its heads.")
             names = {o.split()[0] for o in res["ops"]}
             sent = sum(int(o.split()[1]) for o in res["ops"])
             if names - {"all_to_all"} or sent != 4 * chunk:

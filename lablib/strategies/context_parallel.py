@@ -69,11 +69,11 @@ def _runs(pos) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def blocks_of(fn, *args):
-    """``fn(*args)`` and the (query rows, key rows) of every block ``attend`` computed meanwhile."""
+def blocks_of(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and the (query rows, key rows) of every block ``attend`` computed meanwhile."""
     _BLOCKS[0] = []
     try:
-        return fn(*args), list(_BLOCKS[0])
+        return fn(*args, **kwargs), list(_BLOCKS[0])
     finally:
         _BLOCKS[0] = None
 
@@ -133,7 +133,8 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
     """``steps`` forwards of ring attention ``fn(q, k, v, positions, causal)`` (``ulysses``: all-to-all
     attention ``fn(q, k, v, causal)``, contiguous) on this rank's part of the ``BIG`` sequence (``size``
     overrides it), after a warm-up; the timeline records the last. ``link``: messages over a simulated
-    link (``comm.LINKS``). Returns the seconds of each step and this rank's attention work (causal
+    link (``comm.LINKS``). Returns the seconds of each step, the CPU seconds this rank's thread spent in
+    the last (its compute, whether or not it had a core to itself) and its attention work (causal
     query-key pairs)."""
     import time
 
@@ -154,12 +155,14 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
         else:
             dist.barrier()
         with comm.simulated(link):
-            t0 = time.perf_counter()
+            t0, cpu = time.perf_counter(), time.thread_time()
             fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
             comm.synchronize()
             seconds.append(time.perf_counter() - t0)
+            cpu = time.thread_time() - cpu
     whole = torch.arange(s["tokens"])
-    return {"seconds": seconds[1:], "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"]}
+    return {"seconds": seconds[1:], "cpu": cpu,
+            "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"]}
 
 
 def saved_job(fn, tokens: int, heads: int = 4, dim: int = 32, causal: bool = True) -> int:

@@ -1,23 +1,16 @@
-"""Lab 06's figures: each rank's attention work and compute time, contiguous against zig-zag, and the
+"""Lab 06's figures: each rank's attention work and CPU time, contiguous against zig-zag, and the
 activation memory a rank holds against the sequence length at 1, 2 and 4 ranks."""
 from __future__ import annotations
 
-from ..overlap import breakdown
-
-
-def compute_seconds(timeline) -> list[float]:
-    """Each rank's compute time on a run's timeline (measured)."""
-    rows = breakdown(timeline.spans, timeline.world_size)
-    return [rows[r]["compute"] for r in range(timeline.world_size)]
-
 
 def work_figure(runs: dict):
-    """``runs``: {layout: (per-rank work, per-rank compute seconds)}: two bar charts side by side."""
+    """``runs``: {layout: (per-rank work, per-rank CPU seconds)}: two bar charts side by side. CPU time, not
+    the timeline's wall time: ranks that share cores take turns, and wall time would show the turns."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(1, 2, subplot_titles=("attention work (query-key pairs, counted)",
-                                              "compute time, ms (measured)"))
+                                              "CPU time in the step, ms (measured)"))
     colours = {"contiguous": "#E45756", "zigzag": "#4C78A8"}
     for layout, (work, seconds) in runs.items():
         x = [f"rank {r}" for r in range(len(work))]
@@ -38,9 +31,9 @@ def memory_figure(rows: list[dict]):
     for p in sorted({r["P"] for r in rows}):
         mine = [r for r in rows if r["P"] == p]
         fig.add_trace(go.Scatter(x=[r["tokens"] for r in mine], y=[r["saved"] / 2**20 for r in mine], mode="lines+markers",
-                                 name=f"P = {p}, autograd through the ring (measured)"))
+                                 name=f"P = {p}, what autograd keeps (measured)"))
         fig.add_trace(go.Scatter(x=[r["tokens"] for r in mine], y=[r["kept"] / 2**20 for r in mine], mode="lines+markers",
                                  line=dict(dash="dot"), name=f"P = {p}, recompute from lse (counted)"))
     fig.update_layout(title="Activation memory per rank for one attention layer", xaxis_title="sequence length (tokens)",
-                      yaxis_title="MiB per rank", height=380, margin=dict(t=50))
+                      yaxis_title="MiB per rank (log scale)", yaxis_type="log", height=380, margin=dict(t=50))
     return fig
