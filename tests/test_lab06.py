@@ -398,3 +398,25 @@ def test_a_ring_that_attends_to_everything_at_once_and_a_batch_mixed_up_are_name
         check_ring(ring_then_all_at_once, cluster)
     with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA"):
         check_ulysses(ulysses_batch_mixed, cluster)
+
+
+def merge_no_last_dim(out, lse, block_out, block_lse):
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    return out * torch.exp(lse - safe) + block_out * torch.exp(block_lse - safe), new
+
+
+def blockwise_from_zero(q, k, v, block, causal):
+    pos = torch.arange(q.shape[-2])
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1])
+    for start in range(0, k.shape[-2], block):
+        out, lse = merge(out, lse, *lablib.attend(q, k[..., start:start + block, :], v[..., start:start + block, :],
+                                                  pos, pos[start:start + block], causal))
+    return out, lse
+
+
+def test_a_merge_without_the_last_dimension_and_an_lse_starting_at_zero_are_named():
+    with pytest.raises(CheckFailed, match="add a last dimension"):
+        check_blockwise(merge_no_last_dim, cp_blockwise_learner)
+    with pytest.raises(CheckFailed, match="lse at -inf"):
+        check_blockwise(merge, blockwise_from_zero)

@@ -54,7 +54,9 @@ def collect_blockwise(fns, pool, seed):
     none = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))
     for name, (x, y) in {"two blocks": (a, b), "nothing and a block": (none, b), "nothing twice": (none, none)}.items():
         out[name] = call_local("Task 6.1", merge, f"out, lse, block_out, block_lse ({name})",
-                               "It returns (out, lse) for the merged rows.", x[0], x[1], y[0], y[1])
+                               "It returns (out, lse) for the merged rows; lse is (B, H, T), one number per row: to "
+                               "weight out (B, H, T, D) by it, add a last dimension, exp(...)[..., None].",
+                               x[0], x[1], y[0], y[1])
     for causal in (False, True):
         for block in (q.shape[-2], 16, 5):
             (got, blocks) = cp.blocks_of(call_local, "Task 6.1", blockwise, f"q, k, v, block={block}, causal={causal}",
@@ -76,6 +78,10 @@ def judge_blockwise(data, world_size, seed) -> str:
     a, b = _halves(q, k, v)
     whole = cp.attend(q, k, v, torch.arange(T), torch.arange(T), True)
     out, lse = _pair(task, "merge (two blocks)", data["two blocks"])
+    if isinstance(out, torch.Tensor) and out.shape != whole[0].shape:
+        raise CheckFailed(f"{task}: merge's out has shape {tuple(out.shape)}, expected {tuple(whole[0].shape)}: lse has "
+                          "one number per row, (B, H, T); to weight out (B, H, T, D) by it, add a last dimension, "
+                          "exp(...)[..., None].")
     if max_error(out, whole[0], f"{task}: merge's out") > TOL:
         summed = (a[0] + b[0] - out).abs().max() < TOL
         raise CheckFailed(f"{task}: merging two blocks of keys differs from attending to both at once." + (
@@ -108,6 +114,11 @@ def judge_blockwise(data, world_size, seed) -> str:
                 raise CheckFailed(f"{task}: {where} called attend() on blocks of (queries, keys) {blocks[:6]}; expected "
                                   f"the whole sequence's queries against each block of {block} keys: {want_blocks[:6]}.")
             err = max_error(out, ref, f"{task}: {where}'s out")
+            if err > TOL and isinstance(lse, torch.Tensor) and lse.shape == ref_lse.shape and \
+                    (lse - torch.logaddexp(ref_lse, torch.zeros_like(ref_lse))).abs().max() < TOL:
+                raise CheckFailed(f"{task}: {where} differs from SDPA by {err:.2e}, and its lse is log(1 + exp(the "
+                                  "right lse)): it starts at 0, as if a key of score 0 had been seen. Start out at zeros "
+                                  "and lse at -inf (nothing seen yet).")
             if err > TOL:
                 raise CheckFailed(f"{task}: {where} differs from SDPA on the whole sequence by {err:.2e}."
                                   + (" With a causal mask, give attend() each block's positions in the whole sequence "
