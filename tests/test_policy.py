@@ -3,9 +3,10 @@ learner may write passes, what reaches for the answers is refused with the reaso
 import ast
 
 import pytest
+import torch
 
 from lablib.checks.lab02 import check_ring_blocking
-from lablib.checks.policy import COLLECTIVES, function_problems, problems
+from lablib.checks.policy import COLLECTIVES, function_problems, problems, reachable_problems
 from lablib.course.exercises import Call, exercise_code, refusal
 
 
@@ -193,3 +194,21 @@ def test_constructs_outside_the_allow_list_are_refused_by_name(source, construct
     assert problems(ast.parse(source)) == [
         f"line {1 if construct == 'async def' else 2}: uses {construct}, which exercise code may not be written "
         "with (the exercises need only functions, classes, loops, if, with, comprehensions and lambdas)"]
+
+
+SDPA_ALIAS = torch.nn.functional.scaled_dot_product_attention  # a library function under a name of the notebook's
+
+
+def test_an_alias_of_a_library_function_is_refused_in_the_notebook_as_in_grading():
+    def attention(q):
+        return SDPA_ALIAS(q, q, q)
+
+    def mine(q):
+        return helper(q) * 2
+
+    assert any("uses SDPA_ALIAS, which is neither yours" in p for p in reachable_problems(attention))
+    assert reachable_problems(mine) == []  # a function of the notebook's own stays the learner's
+
+
+def helper(q):
+    return q

@@ -337,7 +337,7 @@ def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
     except (OSError, TypeError, SyntaxError):
         return unreadable
     space = getattr(fn, "__globals__", {})
-    defined = {name for name, value in space.items() if _learners(value)}
+    defined = {name for name, value in space.items() if _learners(value, fn.__module__)}
     defined |= set(fn.__code__.co_freevars)  # helpers of a function defined inside another
     outer = {name: "dist" if space[name].__name__ == "torch.distributed" else space[name].__name__
              for name in defined & set(space) if inspect.ismodule(space[name])}
@@ -366,11 +366,15 @@ def reachable_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]
     return out
 
 
-def _learners(value) -> bool:
+def _learners(value, home: str) -> bool:
     """Whether a notebook global is the learner's to use: not lablib's (its functions, classes, objects,
-    modules), not a module exercises may not import."""
+    modules), not a module exercises may not import, and no function or class from elsewhere (an alias
+    such as ``SDPA = F.scaled_dot_product_attention``, which grading refuses too): only those defined in
+    the notebook itself (``home``, the exercise function's module)."""
     if inspect.ismodule(value):
         return value.__name__ in MODULES
+    if inspect.isroutine(value) or inspect.isclass(value):
+        return getattr(value, "__module__", None) == home
     owner = value if inspect.isfunction(value) or inspect.isclass(value) else type(value)
     module = getattr(owner, "__module__", "") or ""
     return not (module == "lablib" or module.startswith("lablib."))
