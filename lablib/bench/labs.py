@@ -128,29 +128,12 @@ def p6_pipeline(s: Settings) -> list[Row]:
     return rows
 
 
-def _ring_step(steps: int = 3) -> float:
-    """On each rank: the median seconds of lab 06's ring attention forward and backward (lablib's answer)
-    on this rank's part of ``BIG``, causal, zig-zag."""
-    import torch.distributed as dist
-
-    from .. import comm
+def _forward_backward(q, k, v, positions, causal):
+    """Lab 06's ring attention forward, then its backward (lablib's answers), for ``ring_job`` to time."""
     from ..answers import lab06
-    from ..strategies import context_parallel as cp
 
-    r, n = dist.get_rank(), dist.get_world_size()
-    s = cp.BIG
-    every = [comm.to_device(cp.positions("zigzag", p, n, s["tokens"])) for p in range(n)]
-    q, k, v = (comm.to_device(t[..., every[r], :].contiguous()) for t in cp.qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
-    dout = torch.ones_like(q)
-    times = []
-    for _ in range(steps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out, lse = lab06.ring_attention(q, k, v, every, True)
-        lab06.ring_attention_backward(q, k, v, every, out, lse, dout, True)
-        comm.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    out, lse = lab06.ring_attention(q, k, v, positions, causal)
+    lab06.ring_attention_backward(q, k, v, positions, out, lse, torch.ones_like(q), causal)
 
 
 def _sdpa_step(steps: int = 3) -> float:
@@ -175,11 +158,14 @@ def p10_context(s: Settings) -> list[Row]:
     from ..answers import lab06
     from ..pool import Cluster
     from ..strategies import context_parallel as cp
+    from ..strategies.prefetch import step_times
 
     rows = []
     single = cp.saved_single(1024)
     for n in (2, 4):
-        ours, theirs = side_by_side(s, n, lambda c: max(c.run(_ring_step)) * 1e3, lambda c: _sdpa_step() * 1e3)
+        ours, theirs = side_by_side(
+            s, n, lambda c: statistics.median(step_times(c.run(cp.ring_job, _forward_backward, "zigzag", True, 3))) * 1e3,
+            lambda c: _sdpa_step() * 1e3)
         rows.append(Row("P10", f"ring attention forward+backward (lab 06's solution), {cp.BIG['tokens']} tokens, causal, "
                         f"zig-zag, {n} ranks", "ms", ours, theirs, "single-process SDPA, same sequence", "",
                         note="informational: one CPU's cores shared by the ranks"))

@@ -189,6 +189,20 @@ def saved_single(tokens: int, heads: int = 4, dim: int = 32, causal: bool = True
     return saved_bytes(attend, q, k, v, pos, pos, causal, params=())
 
 
+def memory_rows(cluster, fn, tokens=(256, 512, 1024)) -> list[dict]:
+    """Per sequence length and P = 1, 2, 4: the bytes autograd keeps per rank through ring attention ``fn``
+    (P = 1: one process, the whole sequence; P = 2 on a spare pool, P = 4 on ``cluster``, of 4 ranks) and
+    what Task 6.3's recomputing backward keeps, for ``views.context_parallel.memory_figure``."""
+    from ..pool import spare
+
+    rows = []
+    for t in tokens:
+        rows.append({"P": 1, "tokens": t, "saved": saved_single(t), "kept": kept_for_recompute(t, 1)})
+        for p, pool in ((2, spare(2)), (4, cluster)):
+            rows.append({"P": p, "tokens": t, "saved": max(pool.run(saved_job, fn, t)), "kept": kept_for_recompute(t, p)})
+    return rows
+
+
 def kept_for_recompute(tokens: int, world_size: int, heads: int = 4, dim: int = 32) -> int:
     """What a rank keeps for Task 6.3's backward, which recomputes each block from the saved lse: its q,
     k, v and out (fp32) and the lse (one number per query row and head)."""
