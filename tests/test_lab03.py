@@ -386,3 +386,23 @@ def test_yours_uses_a_learners_hooks_only_once_their_check_passed(capsys):
         PASSED.discard("Task 3.1")
     with pytest.raises(TypeError, match="yours\\(\\) takes"):
         yours(pre_froward=pre)
+
+
+def summing_post_backward(units, i, ctx):  # Task 3.1's mistake: the shard summed over ranks, never averaged
+    unit = units[i]
+    full = unit.full_grad()
+    unit.grad = torch.empty(unit.layout.shard_numel)
+    lablib.reduce_scatter(unit.grad, full)
+    reshard(unit)
+
+
+def test_a_later_check_says_when_an_earlier_tasks_function_may_be_to_blame(cluster):
+    PASSED.discard("Task 3.1")
+    message = _fails(check_prefetch, forward_ahead, keep_last, backward_ahead, summing_post_backward, cluster=cluster)
+    assert "Task 3.2's check runs your functions of Task 3.1 too" in message
+    PASSED.add("Task 3.1")
+    try:  # once Task 3.1 has passed, the message is the check's own
+        assert "has not passed" not in _fails(check_prefetch, forward_ahead, keep_last, backward_ahead,
+                                              summing_post_backward, cluster=cluster)
+    finally:
+        PASSED.discard("Task 3.1")

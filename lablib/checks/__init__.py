@@ -197,6 +197,7 @@ class Check:
     every_size: bool = False               # with a cluster, check every one of world_sizes anyway
     given: Callable | None = None          # given(world_size, seed) -> plain data collect gets as its 4th
                                            # argument: what it needs of lablib's answers, computed outside the box
+    after: tuple = ()                      # earlier tasks whose functions it runs too (lab 03's 3.2 runs 3.1's)
 
     def inputs(self, world_size, seed) -> tuple:
         """collect's arguments after (fns, pool, seed): the given data, if the check has any."""
@@ -239,3 +240,10 @@ class Check:
                 raise
             print(f"\x1b[0;33m✗ {exc}\x1b[0m\n  (The rest of the lab still runs; this task scores when its check "
                   "passes.)")
+        except CheckFailed as exc:
+            unproven = [task for task in self.after if task not in PASSED]
+            if not unproven:
+                raise
+            raise CheckFailed(f"{exc}\n\n{self.task}'s check runs your functions of {', '.join(unproven)} too, whose "
+                              "check has not passed in this kernel: the difference may be theirs. Pass that check "
+                              "first.") from None

@@ -259,13 +259,14 @@ def judge_prefetch(data, world_size, seed) -> str:
             for rank, r in enumerate(data):
                 _walk(task, r[key], prefetch_expect(_units(data, key), d), f"the {model}, depth {d}, rank {rank}",
                       world_size)
-            _values(task, data, world_size, key, "Wait for a unit's gather before it computes.", seed)
+            _values(task, data, world_size, key, "Wait for a unit's gather before it computes. (The check runs your "
+                    "Task 3.1 post_backward too: if its check fails, fix that first.)", seed)
     return (f" on {world_size} ranks at depths {', '.join(map(str, DEPTHS))}: each unit's gather is issued "
             "ctx.depth units early and waited for just before it computes; the values match the reference")
 
 
 check_prefetch = Check("Task 3.2", ("prefetch_forward", "keep_last_post_forward", "prefetch_backward", "post_backward"),
-                       collect_prefetch, judge_prefetch, world_sizes=(4,), forbidden=_TRACED)
+                       collect_prefetch, judge_prefetch, world_sizes=(4,), forbidden=_TRACED, after=("Task 3.1",))
 """Task 3.2: forward and backward prefetching, ctx.depth units ahead; the last unit kept after forward. It
 runs with the learner's post_backward of Task 3.1 (lablib's answers are not in the grading box)."""
 
@@ -307,7 +308,7 @@ def judge_overlap(data, world_size, seed) -> str:
 
 check_overlap = Check("Task 3.3", ("overlap_post_backward", "finish", "prefetch_forward", "keep_last_post_forward",
                                    "prefetch_backward"), collect_overlap, judge_overlap, world_sizes=(4,),
-                      forbidden=_TRACED)
+                      forbidden=_TRACED, after=("Task 3.1", "Task 3.2"))
 """Task 3.3: each unit's reduce-scatter left running under the backward of the units before it, with the
 learner's prefetching hooks of Task 3.2."""
 
