@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .device_audit import check_collective
+from .splits import row_bytes, same_splits, splits
 from .device_audit import enabled as _audited
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
 from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back, message_over_link
@@ -102,6 +103,9 @@ def bytes_sent(timeline, rank: int | None = None) -> float:
     total = 0.0
     for s in timeline.spans:
         if s.kind == "comm" and s.rank in ranks and "op" in s.meta:
+            if "to" in s.meta:  # an all-to-all: what it sent to the other ranks, however uneven
+                total += sum(b for j, b in enumerate(s.meta["to"]) if j != s.rank)
+                continue
             full = (s.bytes or 0) * (n if s.meta["op"] == "all_gather" else 1)  # a span records the input
             total += BUS_FACTOR[s.meta["op"]](n) * full
     return total / len(ranks)
@@ -211,7 +215,7 @@ def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None):
     return None
 
 
-# (op, the tensor written into, bytes in, the peer of a send or recv) of each traced call issued while a list is here
+# (op, the tensor written into, bytes in, the peer of a send or recv, an all-to-all's bytes to each rank) of each traced call issued while a list is here
 WATCH: list = [None]
 WORKS: list = [None]
 
@@ -219,14 +223,19 @@ WORKS: list = [None]
 def watched(fn, *args, works: list | None = None, peers: bool = False):
     """``fn(*args)`` and the traced collectives it issued, in order: "all_reduce 3072" (its name and the
     bytes it took in). ``works``: a list that receives the handle of each one issued with ``async_op``
-    (``Work.waited`` then tells whether ``fn`` waited for it). ``peers``: a send or recv as "send 512 to 1"."""
+    (``Work.waited`` then tells whether ``fn`` waited for it). ``peers``: a send or recv as "send 512 to 1", an
+    all-to-all with the bytes it sent to each rank, "all_to_all 96 to 32/64"."""
     WATCH[0], WORKS[0] = [], works
     try:
         out = fn(*args)
-        return out, [f"{op} {nbytes}" + (f" {'to' if op == 'send' else 'from'} {peer}" if peers and peer is not None else "")
+        return out, [f"{op} {nbytes}" + (f" {'to' if op != 'recv' else 'from'} {_peer(peer)}" if peers and peer is not None else "")
                      for op, _, nbytes, peer in WATCH[0]]
     finally:
         WATCH[0] = WORKS[0] = None
+
+
+def _peer(peer) -> str:
+    return "/".join(map(str, peer)) if isinstance(peer, (list, tuple)) else str(peer)
 
 
 STAGE_CPU = [False]  # stage CPU tensors through host copies too: the staging path, tested without a GPU
@@ -263,7 +272,7 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
         if target is not None:
             check_collective(target, op)
     if WATCH[0] is not None:
-        WATCH[0].append((op, target, nbytes, meta.get("peer")))
+        WATCH[0].append((op, target, nbytes, meta.get("peer", meta.get("to"))))
     back, device_target = None, target
     if (tensor.is_cuda or STAGE_CPU[0]) and _on_gloo(group):
         tensor, target, back = _staged(op, tensor, target)
@@ -324,10 +333,28 @@ def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
                    "broadcast", group=group)
 
 
-def all_to_all(output, input, group=None, async_op=False, name="all_to_all"):
-    return _traced(name, input.nbytes, async_op,
-                   lambda i, o: dist.all_to_all_single(o, i, group=group, async_op=async_op), input, "all_to_all",
-                   target=output, group=group)
+def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
+               name="all_to_all"):
+    """Rank r sends rows ``input_split_sizes[j]`` of ``input`` (cut along dim 0, in order) to rank j, and
+    receives rank j's rows into the next ``output_split_sizes[j]`` rows of ``output``. Without split sizes
+    the cuts are equal. The receiver's ``output_split_sizes[j]`` must be what rank j sends it (its
+    ``input_split_sizes[r]``), so uneven splits are exchanged first; a mismatch is a ValueError that names
+    both, where Gloo would abort the rank. The span keeps the bytes sent to (``to``) and received from
+    (``from``) each rank."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    ins, outs = (splits(s, t, n, side) for s, t, side in ((input_split_sizes, input, "input"),
+                                                          (output_split_sizes, output, "output")))
+    uneven = input_split_sizes is not None or output_split_sizes is not None
+    on = input.device if not _on_gloo(group) else torch.device("cpu")
+
+    def call(i, o):  # the split sizes are checked inside the span: a rank waiting for a slow peer waits in it
+        if uneven:
+            same_splits(ins, outs, me, on, group)
+        return dist.all_to_all_single(o, i, outs, ins, group=group, async_op=async_op)
+
+    to, got = [c * row_bytes(input) for c in ins], [c * row_bytes(output) for c in outs]
+    return _traced(name, input.nbytes, async_op, call, input, "all_to_all", target=output, group=group, to=to,
+                   **{"from": got})
 
 
 def barrier(group=None, name="barrier"):

@@ -43,7 +43,7 @@ def encode(obj, depth: int = 0):
         if name not in DTYPES:
             raise NotPlain(f"a tensor of dtype {name}")
         t = obj.detach().cpu().contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # a 0-dim one too
         return {"tensor": {"dtype": name, "shape": list(t.shape), "data": base64.b64encode(raw).decode()}}
     raise NotPlain(f"a {type(obj).__module__}.{type(obj).__qualname__}")
 
