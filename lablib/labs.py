@@ -25,4 +25,5 @@ LABS = (
     Lab("04_tensor_parallel", "lab04", ("tensor_parallel", "tp_reference")),
     Lab("05_pipeline_bubbles", "lab05", ("schedules", "pipeline", "pp_reference")),
     Lab("06_context_parallel", "lab06", ("context_parallel",)),
+    Lab("07_experts", "lab07", ("experts",)),
 )

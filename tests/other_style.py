@@ -1,4 +1,4 @@
-"""Every exercise cell of labs 00-06 solved again, in another style than the sources' (helpers, classes,
+"""Every exercise cell of labs 00-07 solved again, in another style than the sources' (helpers, classes,
 comprehensions, other loops and names), written from the notebooks' instructions: grading must pass them
 all (tests/test_grading.py), so the rules refuse no honest way of writing the tasks. Keyed by cell id."""
 
@@ -562,5 +562,90 @@ def ulysses_attention(q, k, v, causal):
     where = torch.arange(t * p, device=q.device)
     out, _ = lablib.attend(scatter_heads(q), scatter_heads(k), scatter_heads(v), where, where, causal)
     return gather_heads(out)
+''',
+    # -- lab 07 --------------------------------------------------------------------------------------------
+    "b0b48e40": '''\
+def route(x, router, k):
+    probs = (x @ router).softmax(-1)
+    top = torch.topk(probs, k, dim=1)
+    return top.values, top.indices, probs
+
+
+def moe_dense(x, router, w1, w2, k):
+    gates, experts, _ = route(x, router, k)
+    mixed = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        hit = experts == e
+        rows = hit.any(dim=1).nonzero().flatten()
+        weight = (gates * hit).sum(dim=1)[rows]
+        mixed = mixed.index_add(0, rows, weight.unsqueeze(1) * lablib.expert(x[rows], w1[e], w2[e]))
+    return x + mixed
+''',
+    "00025630": '''\
+def exchange(t, receive, send):
+    arrived = torch.empty((sum(receive), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    lablib.all_to_all(arrived, t.contiguous(), receive, send)
+    return arrived
+
+
+class AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits):
+        ctx.receive, ctx.send = list(output_splits), list(input_splits)
+        return exchange(x, ctx.receive, ctx.send)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange(grad, ctx.send, ctx.receive), None, None
+
+
+def autograd_all_to_all(x, output_splits, input_splits):
+    return AllToAll.apply(x, output_splits, input_splits)
+''',
+    "ba5ddbae": '''\
+def keep_mask(experts, gates, num_experts, capacity):
+    flat = experts.reshape(-1)
+    order = torch.sort(gates.reshape(-1), descending=True, stable=True).indices
+    hits = torch.nn.functional.one_hot(flat[order], num_experts)
+    place = (hits.cumsum(dim=0) * hits).sum(dim=1) - 1          # how many of its expert's came before
+    keep = torch.empty_like(flat, dtype=torch.bool)
+    keep[order] = place < capacity
+    return keep.reshape(experts.shape)
+''',
+    "e83b8421": '''\
+def moe_layer(x, router, w1, w2, k, capacity_factor=None):
+    world, mine = dist.get_world_size(), w1.shape[0]
+    total = world * mine
+    gates, experts, _ = route(x, router, k)
+    assign = experts.reshape(-1)
+    alive = torch.ones_like(assign, dtype=torch.bool)
+    if capacity_factor is not None:
+        room = math.ceil(x.shape[0] * k * capacity_factor / total)
+        alive = keep_mask(experts, gates, total, room).reshape(-1)
+    slots = torch.nonzero(alive).flatten()
+    slots = slots[torch.argsort(assign[slots], stable=True)]      # kept assignments, by expert
+    counts = torch.bincount(assign[slots], minlength=total)
+    incoming = torch.zeros_like(counts)
+    lablib.all_to_all(incoming, counts)
+    table = incoming.reshape(world, mine)                         # table[src, e]
+    send = counts.reshape(world, mine).sum(dim=1).tolist()
+    receive = table.sum(dim=1).tolist()
+    pieces = list(autograd_all_to_all(x[slots // k], receive, send).split(table.flatten().tolist()))
+    results = [None] * len(pieces)
+    for e in range(mine):
+        group = [pieces[src * mine + e] for src in range(world)]
+        done = lablib.expert(torch.cat(group), w1[e], w2[e])
+        for src, part in enumerate(done.split([g.shape[0] for g in group])):
+            results[src * mine + e] = part
+    back = autograd_all_to_all(torch.cat(results), send, receive)
+    per_slot = x.new_zeros(assign.shape[0], x.shape[1]).index_put((slots,), back)
+    return x + torch.einsum("tk,tkd->td", gates, per_slot.view(-1, k, x.shape[1]))
+''',
+    "29130e88": '''\
+def load_balance_loss(probs, experts, num_experts, alpha):
+    load = torch.nn.functional.one_hot(experts, num_experts).sum(dim=(0, 1)).to(probs.dtype)
+    share = load / load.sum()
+    mean_prob = probs.sum(dim=0) / probs.shape[0]
+    return alpha * num_experts * torch.dot(share, mean_prob)
 ''',
 }

@@ -553,7 +553,7 @@ def test_the_course_itself(tmp_path):
             (tmp_path / "subs" / learner / path.name).write_text(json.dumps(nb))
     results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES, jobs=2)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
-    assert len(checks) == 3 * 26 and len(CELLS) == 26
+    assert len(checks) == 3 * 31 and len(CELLS) == 31
     for (learner, item), it in checks.items():
         if learner != "untouched":
             assert it.status == "passed", (learner, item, it.detail)
@@ -644,3 +644,14 @@ def test_the_box_removes_its_request_before_any_exercise_code_runs(tmp_path):
     request.write_text(json.dumps({"nonce": "n", "check_timeout": 30, "labs": []}))
     subprocess.run([sys.executable, "-m", "lablib.course.runner", str(request), str(results)], check=True, timeout=60)
     assert not request.exists()
+
+
+def test_a_checks_data_keeps_tensors_of_every_shape_across_the_boxs_boundary():
+    """A scalar (a loss, 0-dim) among them: its bytes are read flat, its shape kept apart."""
+    import torch
+
+    from lablib.course.plain import decode, encode
+
+    for t in (torch.tensor(0.25), torch.tensor(3), torch.zeros(0, 2), torch.arange(6.0).view(2, 3).t()):
+        back = decode(json.loads(json.dumps(encode(t))))
+        assert back.shape == t.shape and torch.equal(back, t)

@@ -1,0 +1,48 @@
+"""Lab 07's figures: the tokens each expert computed at each capacity factor, the load while training with
+and without the balancing loss, and the bytes each rank sent each rank in a dispatch."""
+from __future__ import annotations
+
+
+def capacity_figure(runs: dict, capacity: dict, total: int):
+    """``runs``: {label: tokens each expert computed (measured, every rank's experts in order)};
+    ``capacity``: {label: assignments an expert may take from all ranks, or None}; ``total``: assignments
+    routed. Grouped bars, the drop rate in each label."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for label, rows in runs.items():
+        dropped = 1 - sum(rows) / total
+        fig.add_trace(go.Bar(name=f"{label}: {dropped:.0%} dropped", x=[f"expert {e}" for e in range(len(rows))], y=rows))
+    for label, cap in capacity.items():
+        if cap is not None:
+            fig.add_hline(y=cap, line_dash="dot", annotation_text=f"capacity, {label}", annotation_position="top left")
+    fig.update_layout(barmode="group", height=380, margin=dict(t=50), yaxis_title="tokens computed (measured)",
+                      title="Tokens each expert computed, tokens skewed toward expert 0", legend=dict(orientation="h", y=-0.15))
+    return fig
+
+
+def balance_figure(runs: dict):
+    """``runs``: {label: per step, the assignments of each expert}: the busiest expert's load over the mean,
+    step by step (1 is even)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for label, loads in runs.items():
+        fig.add_trace(go.Scatter(y=[max(step) * len(step) / sum(step) for step in loads], mode="lines", name=label))
+    fig.add_hline(y=1, line_dash="dot", annotation_text="even")
+    fig.update_layout(height=340, margin=dict(t=50), xaxis_title="training step", yaxis_title="busiest expert / mean",
+                      title="Load imbalance while training (measured, one process)")
+    return fig
+
+
+def bytes_figure(matrix: list[list[int]], title: str):
+    """``matrix[src][dst]``: bytes rank src sent rank dst, as a heat map with the numbers on it."""
+    import plotly.graph_objects as go
+
+    n = len(matrix)
+    kib = [[b / 1024 for b in row] for row in matrix]
+    fig = go.Figure(go.Heatmap(z=kib, x=[f"to rank {j}" for j in range(n)], y=[f"rank {i}" for i in range(n)],
+                               text=[[f"{v:.0f} KiB" for v in row] for row in kib], texttemplate="%{text}",
+                               colorscale="Blues", colorbar=dict(title="KiB")))
+    fig.update_layout(title=title, height=320, margin=dict(t=50), yaxis_autorange="reversed")
+    return fig
