@@ -1,7 +1,8 @@
 """The labs' claims, each against what it is compared with on the same ranks: the learner's rings
 against Gloo's collectives (P3, lab 02), FSDP with prefetching against FSDP2 (P4) and what it hides
 (P5, lab 03), the pipeline executor and its bubbles (P6, lab 05), the tensor-parallel block against
-DTensor (P9, lab 04), ring attention against single-process SDPA and the memory it keeps per rank (P10, lab 06)."""
+DTensor (P9, lab 04), ring attention against single-process SDPA and the memory it keeps per rank (P10, lab 06), the
+expert-parallel layer against the dense layer and the all-gather dispatcher (P11, lab 07)."""
 from __future__ import annotations
 
 import contextlib
@@ -176,3 +177,27 @@ def p10_context(s: Settings) -> list[Row]:
         row.met = row.ratio <= 1.1 / n
         rows.append(row)
     return rows
+
+
+def p11_experts(s: Settings) -> list[Row]:
+    """Lab 07: the expert-parallel layer's forward (lab 07's solution) on 4 ranks against the dense layer in one
+    process on the same tokens, and against the all-gather dispatcher on the same ranks, interleaved."""
+    from ..answers import lab07
+    from ..pool import Cluster
+    from ..strategies import experts as ep
+    from ..strategies.prefetch import step_seconds
+
+    n, size = 4, ep.BIG
+    ours, dense, gather = [], [], []
+    with Cluster(n, backend=s.backend, timeout=60, quiet=True) as c:
+        for _ in range(s.reps):
+            for out, dispatcher in ((ours, "all_to_all"), (gather, "all_gather")):
+                out.append(step_seconds(c.run(ep.moe_job, lab07.moe_layer, 0.0, 3, None, dispatcher, lab07.route)) * 1e3)
+            dense.append(ep.dense_seconds(lab07.moe_dense, world_size=n) * 1e3)
+    what = f"{size['tokens']} tokens of {size['dim']} per rank, {size['experts']} experts, top-{size['k']}, {n} ranks"
+    against_gather = Row("P11", f"MoE layer forward, all-to-all against all-gather dispatch, {what}", "ms", ours, gather,
+                         "the all-gather dispatcher, same ranks", "< 1 x")
+    against_gather.met = against_gather.ratio < 1
+    return [Row("P11", f"MoE layer forward, all-to-all dispatch (lab 07's solution), {what}", "ms", ours, dense,
+                "the dense layer in one process, every rank's tokens", "",
+                note="informational: one CPU's cores shared by the ranks"), against_gather]
