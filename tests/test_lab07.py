@@ -276,7 +276,7 @@ def _layer(x, router, w1, w2, k, capacity_factor=None, mistake=""):
     gates, experts, _ = route(x, router, k)
     flat = experts.flatten()
     kept = torch.ones_like(flat, dtype=torch.bool)
-    if capacity_factor is not None:
+    if capacity_factor is not None and mistake != "no capacity":
         kept = keep_highest(experts, gates, E, math.ceil(x.shape[0] * k * capacity_factor / E)).flatten()
         if mistake != "send dropped":
             flat = torch.where(kept, flat, E)
@@ -287,7 +287,11 @@ def _layer(x, router, w1, w2, k, capacity_factor=None, mistake=""):
     lablib.all_to_all(got, counts)
     per = (counts if mistake == "sender's view" else got).view(n, local)
     send, recv = counts.view(n, local).sum(1).tolist(), per.sum(1).tolist()
-    arrived = AllToAll.apply(x[order // k], recv, send)
+    if mistake == "plain dispatch":
+        arrived = torch.empty(sum(recv), x.shape[1])
+        lablib.all_to_all(arrived, x[order // k].contiguous(), recv, send)
+    else:
+        arrived = AllToAll.apply(x[order // k], recv, send)
     owner = torch.arange(local).repeat(n).repeat_interleave(per.flatten())
     regroup = owner.argsort(stable=True)
     done = torch.cat([lablib.expert(p, w1[e], w2[e]) for e, p in enumerate(arrived[regroup].split(per.sum(0).tolist()))])
@@ -326,6 +330,14 @@ def layer_loses_dropped(x, router, w1, w2, k, capacity_factor=None):
     return _layer(x, router, w1, w2, k, capacity_factor, "dropped lost")
 
 
+def layer_without_capacity(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "no capacity")
+
+
+def layer_plain_dispatch(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "plain dispatch")
+
+
 def layer_gathered(x, router, w1, w2, k, capacity_factor=None):
     every = torch.empty((dist.get_world_size() * x.shape[0],) + tuple(x.shape[1:]))
     lablib.all_gather(every, x)
@@ -344,6 +356,10 @@ def test_layer_mistakes_are_named(cluster):
         check_layer(layer_loses_dropped, cluster)
     with pytest.raises(CheckFailed, match="the other dispatcher"):
         check_layer(layer_gathered, cluster)
+    with pytest.raises(CheckFailed, match="the layer without a capacity"):
+        check_layer(layer_without_capacity, cluster)
+    with pytest.raises(CheckFailed, match="a plain lablib.all_to_all cuts the graph"):
+        check_layer(layer_plain_dispatch, cluster)
 
 
 def loss_not_over_k(probs, experts, num_experts, alpha):

@@ -179,7 +179,7 @@ def judge_keep(data, world_size, seed) -> str:
         if not torch.equal(got, want):
             small = experts.numel() <= 10
             over = [e for e in range(E) if int((got & (experts == e)).sum()) > cap]
-            raise CheckFailed(f"Task 7.3 ({name}): " + (f"experts {experts.tolist()}, gates {gates.tolist()}, " if small
+            raise CheckFailed(f"Task 7.3 ({name}): " + (f"experts {experts.tolist()}, gates {[[round(g, 3) for g in row] for row in gates.tolist()]}, " if small
                                                         else "") + f"capacity {cap}: " + (
                 f"expert {over[0]} keeps more than {cap}." if over else
                 f"expected the mask {want.int().tolist()}, got {got.int().tolist()}." if small else
@@ -216,15 +216,15 @@ check_layer = Check("Task 7.4", ("moe_layer",), collect_layer, judge_layer, worl
 
 
 # -- Task 7.5: the load-balancing loss ------------------------------------------------------------------------
-def _loss_cases() -> dict:
-    return {name: (*_routing(tokens, tokens, E, k, skew)[:2], E, 0.01)
+def _loss_cases(seed=None) -> dict:
+    return {name: (*_routing(seed, tokens, E, k, skew)[:2], E, 0.01)
             for name, tokens, skew, E, k in (("skewed, top-2", 32, 3.0, 8, 2), ("even, top-1", 40, 0.0, 4, 1),
                                             ("skewed, top-1", 24, 2.0, 6, 1))}
 
 
 def collect_loss(fns, pool, seed):
     out = {}
-    for name, (probs, experts, E, alpha) in _loss_cases().items():
+    for name, (probs, experts, E, alpha) in _loss_cases(seed).items():
         p = probs.clone().requires_grad_()
         loss = call_local("Task 7.5", fns[0], f"probs, experts, {E}, {alpha} ({name})", "It returns a scalar tensor.",
                           p, experts, E, alpha)
@@ -236,7 +236,7 @@ def collect_loss(fns, pool, seed):
 
 def judge_loss(data, world_size, seed) -> str:
     A = answers("lab07")
-    for name, (probs, experts, E, alpha) in _loss_cases().items():
+    for name, (probs, experts, E, alpha) in _loss_cases(seed).items():
         p = probs.clone().requires_grad_()
         want = A.load_balance_loss(p, experts, E, alpha)
         want.backward()

@@ -70,6 +70,10 @@ def name_output_mistake(task, y, x, router, w1, w2, k, keep=None):
     sorted_outs = outs.flatten(0, 1)[order]
     twice = sorted_outs[order].view_as(outs)
     mistakes = {
+        "this is the layer without a capacity: with a capacity_factor, compute the capacity, keep only the "
+        "assignments keep_mask keeps, and send only those": x + (outs * A.route(x, router, k)[0][..., None]).sum(1),
+    } if keep is not None else {}
+    mistakes |= {
         "the gates were applied twice: the output weights each expert by its gate squared. Multiply by the gate "
         "once, after the combine, on the token's own rank": x + (outs * gates[..., None] ** 2).sum(1),
         "the residual is missing: a token's output is x plus its experts' weighted outputs (a token all of whose "
@@ -172,7 +176,11 @@ def judge_ranks(task, data, n, seed, capacity_factor=None, skew=0.0) -> float:
                                ("w2", g2, ep.local(grads[3], r, n))):
             e = max_error(got, ref, f"{where}: the gradient of {name}")
             if e > TOL:
-                raise CheckFailed(f"{where}: the gradient of {name} differs from the dense layer's by {e:.2e}.")
+                raise CheckFailed(f"{where}: the gradient of {name} differs from the dense layer's by {e:.2e}. " + (
+                    "A token's gradient comes back through the dispatch: send the tokens with your autograd_all_to_all, "
+                    "whose backward returns them (a plain lablib.all_to_all cuts the graph)." if name == "x" else
+                    "An expert's gradient comes from the tokens of every rank: the results must go home through your "
+                    "autograd_all_to_all, whose backward brings their gradients to the expert."))
             worst = max(worst, e, err)
         router_grad = router_grad + gr.double()
         _traffic(where, res, r, n, E, to_rank, x.shape[1] * 4)
