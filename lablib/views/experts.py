@@ -13,9 +13,10 @@ def capacity_figure(runs: dict, capacity: dict, total: int):
     for label, rows in runs.items():
         dropped = 1 - sum(rows) / total
         fig.add_trace(go.Bar(name=f"{label}: {dropped:.0%} dropped", x=[f"expert {e}" for e in range(len(rows))], y=rows))
+    sides = iter(["top right", "bottom right"] * len(capacity))  # neighbouring lines' labels apart
     for label, cap in capacity.items():
         if cap is not None:
-            fig.add_hline(y=cap, line_dash="dot", annotation_text=f"capacity, {label}", annotation_position="top left")
+            fig.add_hline(y=cap, line_dash="dot", annotation_text=f"capacity, {label}", annotation_position=next(sides))
     fig.update_layout(barmode="group", height=380, margin=dict(t=50), yaxis_title="tokens computed (measured)",
                       title="Tokens each expert computed, tokens skewed toward expert 0", legend=dict(orientation="h", y=-0.15))
     return fig
