@@ -13,7 +13,7 @@ def capacity_figure(runs: dict, capacity: dict, total: int):
     for label, rows in runs.items():
         dropped = 1 - sum(rows) / total
         fig.add_trace(go.Bar(name=f"{label}: {dropped:.0%} dropped", x=[f"expert {e}" for e in range(len(rows))], y=rows))
-    sides = iter(["top right", "bottom right"] * len(capacity))  # neighbouring lines' labels apart
+    sides = iter(["bottom right", "top right"] * len(capacity))  # neighbouring lines' labels apart, the lowest under
     for label, cap in capacity.items():
         if cap is not None:
             fig.add_hline(y=cap, line_dash="dot", annotation_text=f"capacity, {label}", annotation_position=next(sides))
