@@ -6,18 +6,19 @@ from __future__ import annotations
 def capacity_figure(runs: dict, capacity: dict, total: int):
     """``runs``: {label: tokens each expert computed (measured, every rank's experts in order)};
     ``capacity``: {label: assignments an expert may take from all ranks, or None}; ``total``: assignments
-    routed. Grouped bars, the drop rate in each label."""
+    routed. Grouped bars, the drop rate in each label, each capacity a dotted line of its bars' colour."""
     import plotly.graph_objects as go
+    from plotly.colors import DEFAULT_PLOTLY_COLORS
 
     fig = go.Figure()
-    for label, rows in runs.items():
+    for (label, rows), colour in zip(runs.items(), DEFAULT_PLOTLY_COLORS):
+        experts = [f"expert {e}" for e in range(len(rows))]
         dropped = 1 - sum(rows) / total
-        fig.add_trace(go.Bar(name=f"{label}: {dropped:.0%} dropped", x=[f"expert {e}" for e in range(len(rows))], y=rows))
-    sides = iter(["bottom right", "top right"] * len(capacity))  # neighbouring lines' labels apart, the lowest under
-    for label, cap in capacity.items():
-        if cap is not None:
-            fig.add_hline(y=cap, line_dash="dot", annotation_text=f"capacity, {label}", annotation_position=next(sides))
-    fig.update_layout(barmode="group", height=380, margin=dict(t=50), yaxis_title="tokens computed (measured)",
+        fig.add_trace(go.Bar(name=f"{label}: {dropped:.0%} dropped", x=experts, y=rows, marker_color=colour))
+        if capacity.get(label) is not None:
+            fig.add_trace(go.Scatter(name=f"capacity, {label}", x=[experts[0], experts[-1]], y=[capacity[label]] * 2,
+                                     mode="lines", line=dict(dash="dot", color=colour)))
+    fig.update_layout(barmode="group", height=400, margin=dict(t=50), yaxis_title="tokens computed (measured)",
                       title="Tokens each expert computed, tokens skewed toward expert 0", legend=dict(orientation="h", y=-0.15))
     return fig
 
