@@ -77,11 +77,10 @@ def moe_layer(x, router, w1, w2, k: int, capacity_factor=None):
     got = torch.empty_like(counts)
     comm.all_to_all(got, counts, name="all_to_all counts")            # got[j·local + e]: rank j's to my expert e
     send, recv = counts.view(n, local).sum(1).tolist(), got.view(n, local).sum(1).tolist()
-    arrived = autograd_all_to_all(x[order // k], recv, send)               # rank-major: rank 0's (expert 0, 1, ..), rank 1's
+    arrived = autograd_all_to_all(x[order // k], recv, send)          # rank-major: rank 0's (expert 0, 1, ..), rank 1's
     by_rank = got.view(n, local)
-    idx = torch.arange(arrived.shape[0], device=x.device)
     owner = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), by_rank.flatten())
-    regroup = idx[owner.argsort(stable=True)]                          # expert-major
+    regroup = owner.argsort(stable=True)                               # expert-major
     done = torch.cat([expert(part, w1[e], w2[e])
                       for e, part in enumerate(arrived[regroup].split(by_rank.sum(0).tolist()))])
     back = torch.empty_like(done)
