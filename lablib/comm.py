@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .device_audit import check_collective
 from .splits import row_bytes, same_splits, splits
+from .traffic import BUS_FACTOR, bytes_on_wire, bytes_sent, ring_steps, written  # noqa: F401 (comm.bytes_sent, ...)
 from .device_audit import enabled as _audited
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
 from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back, message_over_link
@@ -71,68 +72,6 @@ def to_device(*tensors):
     dev = device()
     moved = [t.to(dev) for t in tensors]
     return moved[0] if len(moved) == 1 else moved
-
-
-# Bytes one rank sends, as a fraction of a collective's full size S, in the bandwidth-optimal ring
-# algorithms (S: the all-gather's output, the reduce-scatter's input, the all-reduce's tensor).
-# nccl-tests' bus bandwidth is algbw times the same factor.
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,   # reduce-scatter, then all-gather
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,
-    "barrier": lambda n: 0.0,
-    "memcpy": lambda n: 1.0,
-}
-
-
-def ring_steps(op: str, n: int) -> int:
-    """Messages each rank sends in the ring algorithm on ``n`` ranks: N-1 steps for an all-gather or a
-    reduce-scatter, 2(N-1) for an all-reduce (a reduce-scatter, then an all-gather)."""
-    return 2 * (n - 1) if op == "all_reduce" else n - 1
-
-
-def bytes_sent(timeline, rank: int | None = None) -> float:
-    """Bytes sent, by the ring algorithms, in the traced collectives of ``timeline`` (one rank, or the
-    average over ranks)."""
-    ranks = [rank] if rank is not None else list(range(timeline.world_size))
-    n = timeline.world_size
-    total = 0.0
-    for s in timeline.spans:
-        if s.kind == "comm" and s.rank in ranks and "op" in s.meta:
-            if "to" in s.meta:  # an all-to-all: what it sent to the other ranks, however uneven
-                total += sum(b for j, b in enumerate(s.meta["to"]) if j != s.rank)
-                continue
-            full = (s.bytes or 0) * (n if s.meta["op"] == "all_gather" else 1)  # a span records the input
-            total += BUS_FACTOR[s.meta["op"]](n) * full
-    return total / len(ranks)
-
-
-def bytes_on_wire(timeline, rank: int | None = None) -> float | None:
-    """Bytes really sent, as the kernel counted them, in the traced synchronous collectives of
-    ``timeline`` (one rank, or the average over ranks); None when a span has no count (NCCL, async
-    calls, no /proc)."""
-    ranks = [rank] if rank is not None else list(range(timeline.world_size))
-    spans = [s for s in timeline.spans if s.kind == "comm" and s.rank in ranks and "op" in s.meta]
-    if not spans or any("wire" not in s.meta for s in spans):
-        return None
-    return sum(s.meta["wire"] for s in spans) / len(ranks)
-
-
-def written() -> int | None:
-    """Bytes this process has written so far ("wchar" of /proc/self/io; Gloo sends with writev), or
-    None where the kernel does not say."""
-    try:
-        with open("/proc/self/io", "rb") as f:
-            for line in f:
-                if line.startswith(b"wchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 # -- a simulated link ---------------------------------------------------------------------------------
@@ -193,17 +132,17 @@ def restart_clock() -> None:
     CLOCK.paused = 0
 
 
-def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None):
+def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None, group=None):
     issued = _now()
     real = time.perf_counter_ns()
     work = call()
     if async_op:
         work.wait()
     last = torch.tensor([issued], dtype=torch.int64, device="cpu")  # Gloo's side of the group, under NCCL too
-    dist.all_reduce(last, dist.ReduceOp.MAX)  # the link starts when the last rank has issued
+    dist.all_reduce(last, dist.ReduceOp.MAX, group=group)  # the link starts when the group's last rank has issued
     CLOCK.paused += time.perf_counter_ns() - real
     start = max(int(last.item()), _SIM.free)
-    end = _SIM.free = start + round(link.seconds(op, nbytes, dist.get_world_size()) * 1e9)
+    end = _SIM.free = start + round(link.seconds(op, nbytes, dist.get_world_size(group)) * 1e9)
     meta = {**meta, "op": op, "simulated": link.name}
     if async_op:
         trace = AsyncSpan(name, "comm", nbytes, **meta)
@@ -271,6 +210,8 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
         check_collective(tensor, op)
         if target is not None:
             check_collective(target, op)
+    if group is not None and op not in ("send", "recv"):  # a sub-group's collective: its ranks, for the byte counts
+        meta["group"] = dist.get_process_group_ranks(group)
     if WATCH[0] is not None:
         WATCH[0].append((op, target, nbytes, meta.get("peer", meta.get("to"))))
     back, device_target = None, target
@@ -279,7 +220,8 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
     if _SIM.link is not None and op in ("send", "recv"):
         return message_over_link(_SIM.link, name, nbytes, async_op, call, stamp, tensor, op, meta, back, _SIM.sends)
     if _SIM.link is not None:
-        out = _over_link(_SIM.link, name, nbytes, async_op, lambda: call(tensor, target), op, meta, device_target, back)
+        out = _over_link(_SIM.link, name, nbytes, async_op, lambda: call(tensor, target), op, meta, device_target, back,
+                         group)
         if back and not async_op:
             copy_back(back)
         return out

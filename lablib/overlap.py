@@ -10,8 +10,9 @@ backend began it. So each comm span is cut in up to three: queued, waiting for a
 
 - point to point: the k-th send from a to b is matched with the k-th recv on b from a; neither side
   can move data before both have posted, so each side waits until the later of the two starts;
-- collectives: the k-th collective of an op on every rank is one call; it waits until the last rank
-  was running it (when every rank recorded the same number of calls of that op).
+- collectives: the k-th collective of an op on every rank of its group (every rank, or the sub-group
+  the span names) is one call; it waits until the group's last rank was running it (when every rank of
+  the group recorded the same number of calls of that op).
 
 Overlap on a CPU is measured, not promised: Gloo's copies run on the same cores as the compute, so a
 comm span "hidden" under compute may still have slowed that compute down. Where two runs are compared,
@@ -88,14 +89,14 @@ def ready_times(spans, world_size: int) -> dict[int, float]:
     ready = {}
     for send, recv in messages(spans):
         ready[id(send)] = ready[id(recv)] = max(send.running, recv.running)
-    calls = defaultdict(lambda: defaultdict(list))  # op -> rank -> spans in order
+    calls = defaultdict(lambda: defaultdict(list))  # (op, its group's ranks, () for all) -> rank -> spans in order
     for s in sorted(spans, key=lambda s: s.start):
         op = s.meta.get("op")
         if s.kind == "comm" and op and op not in ("send", "recv") and s.depth == 0:
-            calls[op][s.rank].append(s)
-    for op, by_rank in calls.items():
+            calls[op, tuple(s.meta.get("group", ()))][s.rank].append(s)
+    for (op, group), by_rank in calls.items():
         counts = {len(v) for v in by_rank.values()}
-        if len(by_rank) != world_size or len(counts) != 1:
+        if len(by_rank) != (len(group) or world_size) or len(counts) != 1:
             continue  # not every rank called it the same number of times: no matching to trust
         for k in range(counts.pop()):
             last = max(by_rank[r][k].running for r in by_rank)

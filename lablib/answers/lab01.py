@@ -35,27 +35,27 @@ def shard_slices(numels, world_size, rank):
 def zero1_step(unit, ctx) -> None:
     """ZeRO-1: the full gradient everywhere, but each rank updates (and keeps optimizer state for) only
     its shard, then the updated shards are gathered so every rank has all parameters again."""
-    comm.all_reduce(unit.grad, name="all_reduce grads")
+    comm.all_reduce(unit.grad, group=unit.group, name="all_reduce grads")
     unit.grad /= ctx.world_size
     start, end = unit.layout.shard_bounds(ctx.rank)
     ctx.update(unit, unit.grad[start:end])
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
+    comm.all_gather(unit.flat, unit.shard, group=unit.group, name="all_gather params")
 
 
 def zero2_step(unit, ctx) -> None:
     """ZeRO-2: reduce-scatter leaves each rank the summed gradient of its shard only; the full gradient
     is dropped. Then as ZeRO-1: update the shard, gather the parameters."""
     shard_grad = torch.empty(unit.layout.shard_numel, dtype=unit.grad.dtype, device=unit.grad.device)
-    comm.reduce_scatter(shard_grad, unit.grad, name="reduce_scatter grads")
+    comm.reduce_scatter(shard_grad, unit.grad, group=unit.group, name="reduce_scatter grads")
     unit.grad = shard_grad / ctx.world_size
     ctx.update(unit, unit.grad)
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
+    comm.all_gather(unit.flat, unit.shard, group=unit.group, name="all_gather params")
 
 
 def unshard(unit, ctx) -> None:
     """Make the unit's full parameters exist: allocate the flat buffer, gather every rank's shard."""
     unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
+    comm.all_gather(unit.flat, unit.shard, group=unit.group, name="all_gather params")
 
 
 def reshard(unit) -> None:

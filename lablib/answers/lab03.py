@@ -15,7 +15,7 @@ TASKS = {"Task 3.1": ("unshard", "reshard", "pre_forward", "post_forward", "pre_
 
 def unshard(unit) -> None:
     unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
-    comm.all_gather(unit.flat, unit.shard, name="all_gather params")
+    comm.all_gather(unit.flat, unit.shard, group=unit.group, name="all_gather params")
 
 
 def pre_forward(units, i, ctx):
@@ -34,7 +34,7 @@ def post_backward(units, i, ctx):
     unit = units[i]
     full = unit.full_grad()
     unit.grad = torch.empty(unit.layout.shard_numel, device=full.device)
-    comm.reduce_scatter(unit.grad, full, name="reduce_scatter grads")
+    comm.reduce_scatter(unit.grad, full, group=unit.group, name="reduce_scatter grads")
     unit.grad /= ctx.world_size
     reshard(unit)
 
@@ -43,7 +43,7 @@ def start_gather(unit) -> None:
     """Start the unit's all-gather unless it is gathered or on its way already."""
     if unit.flat.untyped_storage().nbytes() == 0:
         unit.flat.untyped_storage().resize_(unit.layout.padded_numel * unit.flat.element_size())
-        unit.work = comm.all_gather(unit.flat, unit.shard, async_op=True, name="all_gather params")
+        unit.work = comm.all_gather(unit.flat, unit.shard, async_op=True, group=unit.group, name="all_gather params")
 
 
 def wait_for(unit) -> None:
@@ -73,7 +73,7 @@ def overlap_post_backward(units, i, ctx):
     unit = units[i]
     full = unit.full_grad()
     unit.grad = torch.empty(unit.layout.shard_numel, device=full.device)
-    unit.work = comm.reduce_scatter(unit.grad, full, async_op=True, name="reduce_scatter grads")
+    unit.work = comm.reduce_scatter(unit.grad, full, async_op=True, group=unit.group, name="reduce_scatter grads")
     reshard(unit)
 
 

@@ -29,35 +29,37 @@ def row_linear(x, weight, bias):
 
 
 class Copy(Function):
-    """Megatron's f: identity forward, all-reduce backward."""
+    """Megatron's f: identity forward, all-reduce backward (over ``group``: the tensor-parallel ranks)."""
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group=None):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        comm.all_reduce(grad)
-        return grad
+        comm.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class Reduce(Function):
     """Megatron's g: all-reduce forward, identity backward."""
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group=None):
         x = x.contiguous().clone()
-        comm.all_reduce(x)
+        comm.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
-def tp_mlp(x, w1, b1, w2, b2):
-    """(..., d), whole on every rank -> (..., d), whole: fc1 column-parallel, fc2 row-parallel."""
-    h = F.gelu(F.linear(Copy.apply(x), w1, b1))   # (..., ffn / n)
-    return Reduce.apply(F.linear(h, w2)) + b2
+def tp_mlp(x, w1, b1, w2, b2, group=None):
+    """(..., d), whole on every rank -> (..., d), whole: fc1 column-parallel, fc2 row-parallel. ``group``:
+    the tensor-parallel ranks (None: every rank)."""
+    h = F.gelu(F.linear(Copy.apply(x, group), w1, b1))   # (..., ffn / n)
+    return Reduce.apply(F.linear(h, w2), group) + b2
 
 
 def shard_qkv(weight, bias, rank, world_size):
@@ -68,59 +70,60 @@ def shard_qkv(weight, bias, rank, world_size):
     return w, bias.view(3, world_size, -1)[:, rank].reshape(-1)
 
 
-def tp_attention(x, wqkv, bqkv, wo, bo, heads):
+def tp_attention(x, wqkv, bqkv, wo, bo, heads, group=None):
     """(B, T, d), whole on every rank -> (B, T, d); ``heads``: this rank's heads."""
     B, T, _ = x.shape
-    q, k, v = F.linear(Copy.apply(x), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = F.linear(Copy.apply(x, group), wqkv, bqkv).view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, heads, T, head_dim)
-    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo)) + bo
+    return Reduce.apply(F.linear(y.transpose(1, 2).reshape(B, T, -1), wo), group) + bo
 
 
-def _split0(x):
-    n = dist.get_world_size()
-    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+def _split0(x, group=None):
+    return x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
 
 
-def _whole0(x):
-    return x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
+def _whole0(x, group=None):
+    return x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
 
 
 class Gather(Function):
     """Sequence parallelism's f: all-gather along the sequence (dim 0) forward, reduce-scatter backward."""
     @staticmethod
-    def forward(ctx, x):
-        out = _whole0(x)
-        comm.all_gather(out, x.contiguous())
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        out = _whole0(x, group)
+        comm.all_gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = _split0(grad)
-        comm.reduce_scatter(out, grad.contiguous())
-        return out
+        out = _split0(grad, ctx.group)
+        comm.reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out, None
 
 
 class Scatter(Function):
     """Sequence parallelism's g: reduce-scatter along the sequence (dim 0) forward, all-gather backward."""
     @staticmethod
-    def forward(ctx, x):
-        out = _split0(x)
-        comm.reduce_scatter(out, x.contiguous())
+    def forward(ctx, x, group=None):
+        ctx.group = group
+        out = _split0(x, group)
+        comm.reduce_scatter(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = _whole0(grad)
-        comm.all_gather(out, grad.contiguous())
-        return out
+        out = _whole0(grad, ctx.group)
+        comm.all_gather(out, grad.contiguous(), group=ctx.group)
+        return out, None
 
 
-def sp_feed_forward(x, ln_w, ln_b, w1, b1, w2, b2):
+def sp_feed_forward(x, ln_w, ln_b, w1, b1, w2, b2, group=None):
     """The feed-forward sub-block, x + fc2(gelu(fc1(ln(x)))), on this rank's part of the sequence:
     (T / n, B, d) -> (T / n, B, d)."""
-    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b))   # (T, B, d)
-    h = F.gelu(F.linear(h, w1, b1))                               # (T, B, ffn / n)
-    return x + Scatter.apply(F.linear(h, w2)) + b2
+    h = Gather.apply(F.layer_norm(x, x.shape[-1:], ln_w, ln_b), group)   # (T, B, d)
+    h = F.gelu(F.linear(h, w1, b1))                                      # (T, B, ffn / n)
+    return x + Scatter.apply(F.linear(h, w2), group) + b2
 
 
 FNS = Fns(tp_mlp, tp_attention, sp_feed_forward, shard_column, shard_row, shard_qkv)

@@ -199,12 +199,14 @@ RULES = (("an action that cannot be on its rank", misplaced), ("an action listed
 
 
 # -- the executor -------------------------------------------------------------------------------------------
-def execute(stages: dict, actions) -> None:
+def execute(stages: dict, actions, group=None) -> None:
     """Run this rank's actions in order: receive what an action needs (a blocking wait on an irecv),
-    compute, send what it made on (isend: the next action need not wait for the peer)."""
+    compute, send what it made on (isend: the next action need not wait for the peer). ``group``: the
+    pipeline's ranks, stage s's neighbours the group's ranks s ± 1 (None: every rank, in order)."""
     import torch.distributed as dist
 
-    n = dist.get_world_size()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    n = len(ranks)
     split = any(a[0] == "W" for a in actions)
     sends = []
     for kind, mb, s in actions:
@@ -213,18 +215,18 @@ def execute(stages: dict, actions) -> None:
             x = None
             if not stage.first:
                 x = stage.buffer()
-                comm.irecv(x, (s - 1) % n, tag=tag("F", mb, s), name=f"recv F{mb}").wait()
+                comm.irecv(x, ranks[(s - 1) % n], tag=tag("F", mb, s), name=f"recv F{mb}").wait()
             y = stage.forward(mb, x)
             if not stage.last:
-                sends.append(comm.isend(y, (s + 1) % n, tag=tag("F", mb, s + 1), name=f"send F{mb}"))
+                sends.append(comm.isend(y, ranks[(s + 1) % n], tag=tag("F", mb, s + 1), name=f"send F{mb}"))
         elif kind == "B":
             g = None
             if not stage.last:
                 g = stage.buffer()
-                comm.irecv(g, (s + 1) % n, tag=tag("B", mb, s), name=f"recv B{mb}").wait()
+                comm.irecv(g, ranks[(s + 1) % n], tag=tag("B", mb, s), name=f"recv B{mb}").wait()
             gx = stage.backward(mb, g, weights=not split)
             if not stage.first:
-                sends.append(comm.isend(gx, (s - 1) % n, tag=tag("B", mb, s - 1), name=f"send B{mb}"))
+                sends.append(comm.isend(gx, ranks[(s - 1) % n], tag=tag("B", mb, s - 1), name=f"send B{mb}"))
         else:
             stage.backward_weight(mb)
     for work in sends:

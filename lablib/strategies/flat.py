@@ -74,6 +74,7 @@ class Unit:
     grad: torch.Tensor | None = None
     work: object = None  # a collective in flight for this unit (lab 03: an async_op=True handle)
     took_grad: bool = False  # full_grad() was called since the parameters' gradients were last set
+    group: object = None  # the process group its shards are spread over (None: every rank)
 
     def full_grad(self) -> torch.Tensor:
         """The unit's parameter gradients in one padded flat buffer (the per-parameter ones are freed)."""
@@ -90,8 +91,11 @@ class Unit:
 
 
 def setup(model: nn.Sequential, rank: int, world_size: int, init_state, sharded: bool = True,
-          frees_params: bool = False, dtype=torch.float32) -> list[Unit]:
+          frees_params: bool = False, dtype=torch.float32, group=None) -> list[Unit]:
     """Move each unit's parameters into a flat buffer and keep what a strategy keeps on this rank.
+
+    ``group``: the process group the shards are spread over (``rank`` and ``world_size`` are then this rank's
+    index in it and its size), for data parallelism beside other axes; None: every rank.
 
     ``sharded``: the buffer is padded and split over the ranks (False: replicated, one shard of all).
     ``frees_params``: only the shard persists; the flat buffer is a gather buffer, freed between uses.
@@ -109,7 +113,7 @@ def setup(model: nn.Sequential, rank: int, world_size: int, init_state, sharded:
             shard = shard.clone()
             flat.untyped_storage().resize_(0)
         master = shard if dtype == torch.float32 else shard.float()
-        units.append(Unit(module, layout, flat, shard, master, init_state(master)))
+        units.append(Unit(module, layout, flat, shard, master, init_state(master), group=group))
     return units
 
 
