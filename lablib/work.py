@@ -80,7 +80,7 @@ class Work:
             if not self._done.wait(timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout):
                 raise RuntimeError(f"{self._span.name}: not completed within {timeout}")
             if self._error is not None:  # raised in the watcher's thread: say which operation it was
-                self._error.lablib_op = self.op
+                self._error.lablib_op = f"i{self.op}" if self.op in ("send", "recv") else self.op
                 raise self._error
             out = True
         else:

@@ -146,13 +146,28 @@ def _everyone_waits_on_an_irecv_first():
     lablib.send(t, peer)
 
 
-@pytest.mark.parametrize("fn", [_everyone_receives_first, _everyone_waits_on_an_irecv_first])
-def test_a_receive_deadlock_is_named_for_what_the_ranks_do(fragile, fn):
+def _one_rank_skips_its_send():
+    """A ring step written with isend/irecv, but rank 0 does not pass its chunk on: its right neighbour waits."""
+    import lablib
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    t, got = torch.zeros(1), torch.zeros(1)
+    works = [lablib.irecv(got, (r - 1) % n)] + ([lablib.isend(t, (r + 1) % n)] if r else [])
+    for w in works:
+        w.wait()
+
+
+@pytest.mark.parametrize("fn, op, hint", [
+    (_everyone_receives_first, "recv", "Hint: every rank is blocked in recv"),
+    # an irecv's handle is waited on in lablib's Work, not in torch.distributed: named irecv
+    (_everyone_waits_on_an_irecv_first, "irecv", "or posted it only after waiting on one of its own"),
+    (_one_rank_skips_its_send, "irecv", "its peer did not post the matching irecv/isend")])
+def test_a_receive_deadlock_is_named_for_what_the_ranks_do(fragile, fn, op, hint):
     with pytest.raises(RankError) as info:
         fragile.run(fn)
-    # an irecv's handle is waited on in lablib's Work, not in torch.distributed: still named a recv
-    assert re.search(r"waiting for a peer: rank \d in recv", str(info.value)), str(info.value)
-    assert "Hint: every rank is blocked in recv" in str(info.value), str(info.value)
+    assert re.search(rf"waiting for a peer: rank \d in {op}\b", str(info.value)), str(info.value)
+    assert hint in str(info.value), str(info.value)
+    assert "a blocking send waits" not in str(info.value) or op == "recv"
     _healthy(fragile)
 
 

@@ -76,12 +76,15 @@ def test_the_sweep_times_the_learners_ring_once_its_check_passed(cluster):
     def mine(output, input):  # right, and the learner's: only used once Task 2.2's check has passed
         ring.ring_all_gather(output, input)
 
-    assert B.learner_rings(all_gather=mine)[1]["all_gather"] == "lablib's"
-    PASSED.add("Task 2.2")
+    saved = set(PASSED)  # what earlier tests in this process passed (another Task 2.x among them) left out
+    PASSED.clear()
     try:
+        assert B.learner_rings(all_gather=mine)[1]["all_gather"] == "lablib's"
+        PASSED.add("Task 2.2")
         chosen, whose = B.learner_rings(all_gather=mine, reduce_scatter=mine)
     finally:
-        PASSED.discard("Task 2.2")
+        PASSED.clear()
+        PASSED.update(saved)
     assert chosen["all_gather"] is mine and whose == {"all_gather": "yours", "reduce_scatter": "lablib's",
                                                       "all_reduce": "lablib's"}
     rows = B.sweep(cluster, [1 << 12], iters=1, ring=chosen, whose=whose)

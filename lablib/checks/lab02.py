@@ -130,7 +130,7 @@ check_ring_all_reduce = _ring_check("Task 2.4", "all_reduce", ("ring_all_reduce"
 
 
 _DEADLOCK = "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint below)."
-_RING_HINTS = (("in send", _DEADLOCK), ("in recv", _DEADLOCK))
+_RING_HINTS = tuple((f"in {op}", _DEADLOCK) for op in ("send", "recv", "isend", "irecv"))
 _RING_OP_HINTS = {
     "all_gather": "At step s rank r sends chunk (r - s) mod N to rank r+1 and receives chunk (r - s - 1) mod N "
                   "from rank r-1: the chunk it received at the step before. Did you copy your own input into "

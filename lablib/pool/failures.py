@@ -64,7 +64,13 @@ def category(f: Failure) -> str:
 
 _ORDER = ["error", "WorkerDied", "timeout", "stopped", "Stuck", "lost peer"]
 def _send_recv_hint(ops: set) -> str:
-    """What a send/recv deadlock means, for what the blocked ranks were doing."""
+    """What a send/recv deadlock means, for what the blocked ranks were doing (isend/irecv: waiting on the
+    handle of a message posted without blocking)."""
+    if ops & {"isend", "irecv"}:
+        return ("Hint: a rank waited on a message it had posted (lablib.isend/irecv) whose other side never came: "
+                "its peer did not post the matching irecv/isend (it skipped a step, sent to another rank, used "
+                "another tag), or posted it only after waiting on one of its own. Post every send and receive of a "
+                "step before waiting on any, and give each send a receive on its peer with the same tag.")
     if ops == {"recv"}:
         lead = ("every rank is blocked in recv, each waiting for a message its peer sends only after its own recv "
                 "returns: nobody sends.")
@@ -90,7 +96,7 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
     if finished:
         lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
     blocked = {_op(failures[r]) for r in ranks if cats[r] == "timeout"}
-    if blocked and blocked <= {"send", "recv"}:
+    if blocked and blocked <= {"send", "recv", "isend", "irecv"}:
         lines.append(_send_recv_hint(blocked))
     elif "timeout" in cats.values():
         lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
