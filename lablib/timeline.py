@@ -269,10 +269,10 @@ class Timeline:
         return str(path)
 
 
-def compare(*timelines: Timeline, titles=None, steps=None):
+def compare(*timelines: Timeline, titles=None, steps=None, title: str = ""):
     """Timelines one above the other on one time axis (e.g. without and with prefetch), each titled with
     its step time and the change against the first: the drawn timeline's, or ``steps`` (seconds, one per
-    timeline, e.g. the medians ``prefetch.measure`` gives)."""
+    timeline, e.g. the medians ``prefetch.measure`` gives). ``title``: what they all share, above them."""
     from .views.timeline import compare_figure
 
-    return compare_figure(list(timelines), titles, steps)
+    return compare_figure(list(timelines), titles, steps, title)

@@ -130,6 +130,8 @@ def test_compare_draws_runs_on_one_time_axis_with_their_step_times():
                      "prefetch: median step 22.00 ms, +10% vs no prefetch (drawn: the last, 7.50 ms)"]
     with pytest.raises(ValueError, match="2 timelines but 1 step times"):
         lablib.compare(a, b, steps=[0.02])
+    fig = lablib.compare(a, b, steps=[0.020, 0.01999])  # within half a percent: no "-0%"
+    assert fig.layout.annotations[1].text.startswith("prefetch: median step 19.99 ms, the same as no prefetch")
 
 
 def test_compare_keeps_queued_time_and_fits_labels_to_the_shared_axis():

@@ -258,7 +258,7 @@ def _from_zero(timeline):
     return type(timeline)(spans, timeline.world_size, timeline.clock_error, timeline.title)
 
 
-def compare_figure(timelines, titles=None, steps=None):
+def compare_figure(timelines, titles=None, steps=None, title: str = ""):
     """Two or more timelines one above the other on a shared time axis (each from its own first span),
     each titled with its step time and the change against the first: the drawn timeline's length, or
     ``steps`` (seconds, one per timeline: e.g. the median over several steps, of which the drawn one is
@@ -273,7 +273,9 @@ def compare_figure(timelines, titles=None, steps=None):
     base = times[0]
     heads = []
     for i, (t, name, time) in enumerate(zip(timelines, titles, times)):
-        change = "" if i == 0 or not base else f", {100 * (time - base) / base:+.0f}% vs {titles[0]}"
+        pct = 100 * (time - base) / base if i and base else None
+        change = ("" if pct is None else f", the same as {titles[0]}" if abs(pct) < 0.5 else  # no "-0%"
+                  f", {pct:+.0f}% vs {titles[0]}")
         drawn = "" if steps is None else f" (drawn: the last, {t.duration * 1e3:.2f} ms)"
         heads.append(f"{name}: {'median step ' if steps is not None else ''}{time * 1e3:.2f} ms{change}{drawn}")
     heights = [(2 if compact(t) else 3) * t.world_size for t in timelines]
@@ -288,5 +290,7 @@ def compare_figure(timelines, titles=None, steps=None):
     fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
     fig.update_layout(height=150 + sum((40 if compact(t) else 62) * t.world_size + 40 for t in timelines), margin=dict(l=110, r=20, t=60, b=90),
                       legend=dict(orientation="h", y=0, yanchor="bottom", x=0, yref="container"),
-                      plot_bgcolor="white", title="")
+                      plot_bgcolor="white", title=title)
+    if title:
+        fig.update_layout(margin=dict(t=100))
     return fig
