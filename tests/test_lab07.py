@@ -104,6 +104,23 @@ def test_the_balancing_loss_is_alpha_when_even_and_alpha_e_when_collapsed():
     assert A.load_balance_loss(collapsed, torch.zeros(16, 1, dtype=torch.long), E, 0.01).item() == pytest.approx(0.08)
 
 
+def test_the_balancing_loss_and_deepseeks_bias_even_out_a_skewed_router():
+    def imbalance(run):
+        last = run["loads"][-1]
+        return max(last) * len(last) / sum(last)
+
+    runs = {a: ep.balance_run(A.route, A.moe_dense, A.load_balance_loss, a) for a in (0.0, 0.1)}
+    bias = ep.balance_run(A.route, A.moe_dense, None, 0.0, bias_rate=0.003)
+    assert imbalance(runs[0.0]) > 2 and imbalance(runs[0.1]) < 1.5 and imbalance(bias) < 1.2
+    # the bias chooses the experts (here 0 and 5 for every token); the gates stay the unbiased probabilities
+    router, w1, w2 = ep.layer(4, 8, 6, seed=1)
+    x = ep.tokens(5, 4, router)
+    probs = torch.softmax(x @ router, -1)
+    want = x + sum(probs[:, e, None] * torch.relu(x @ w1[e]) @ w2[e] for e in (0, 5))
+    got = A.moe_dense(x, router, w1, w2, 2, bias=torch.tensor([9.0, 0, 0, 0, 0, 9.0]))
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 # -- on the ranks: the layer and the other dispatcher against the dense layer ---------------------------------
 def _dispatcher_job(dispatcher):
     r, n = dist.get_rank(), dist.get_world_size()

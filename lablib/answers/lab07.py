@@ -22,10 +22,15 @@ def route(x, router, k: int):
     return gates, experts, probs
 
 
-def moe_dense(x, router, w1, w2, k: int, keep=None):
+def moe_dense(x, router, w1, w2, k: int, keep=None, bias=None):
     """The layer in one process, every expert here: x + each token's gate-weighted top-k experts' outputs.
-    ``keep`` (tokens, k): which assignments count (the capacity rule's, applied per rank by the caller)."""
-    gates, experts, _ = route(x, router, k)
+    ``keep`` (tokens, k): which assignments count (the capacity rule's, applied per rank by the caller).
+    ``bias`` (E,): DeepSeek-V3's balancing bias, added to the probabilities to choose the experts only; the
+    gates stay the unbiased probabilities."""
+    gates, experts, probs = route(x, router, k)
+    if bias is not None:
+        experts = (probs + bias).topk(k, dim=-1).indices
+        gates = probs.gather(1, experts)
     if keep is not None:
         gates = gates * keep
     out = x.clone()

@@ -135,25 +135,37 @@ def moe_job(fn, skew: float = 0.0, steps: int = 2, link=None, dispatcher: str = 
 
 
 def balance_run(route, dense, balance_loss, alpha: float, steps: int = 100, skew: float = 2.0, experts: int = 8,
-                k: int = 2, seed: int = 0) -> list[list[int]]:
+                k: int = 2, seed: int = 0, bias_rate: float | None = None) -> dict:
     """Train one layer in one process, ``steps`` Adam steps on a batch skewed toward expert 0: a regression to
-    a fixed linear map, plus ``balance_loss(probs, experts, E, alpha)``. Returns the assignments each expert
-    got at every step (by ``route``, the router being trained), to watch the load even out, or not."""
+    a fixed linear map, plus ``balance_loss(probs, experts, E, alpha)`` where alpha is not 0. Returns the
+    assignments each expert got at every step (by ``route``, the router being trained), to watch the load
+    even out, or not ("loads"), and the regression's own loss at the last step ("task_loss"). ``bias_rate``: DeepSeek-V3's way instead: a per-expert bias added to the probabilities
+    to choose the experts (``dense(..., bias=)``), after each step raised by ``bias_rate`` for the experts
+    below the mean load and lowered for those above."""
     router, w1, w2 = layer(32, 64, experts, seed=seed + 1)
     x = tokens(512, 32, router, seed=seed, skew=skew)
     with seeded(seed + 2):
         target = x @ torch.randn(32, 32) / math.sqrt(32)
     params = [t.clone().requires_grad_() for t in (router, w1, w2)]
     opt = torch.optim.Adam(params, lr=1e-2)
+    bias = torch.zeros(experts) if bias_rate else None
     loads = []
     for _ in range(steps):
         _, chosen, probs = route(x, params[0], k)
-        loads.append(torch.bincount(chosen.flatten(), minlength=experts).tolist())
-        loss = ((dense(x, *params, k) - target) ** 2).mean() + balance_loss(probs, chosen, experts, alpha)
+        if bias is not None:
+            chosen = (probs + bias).topk(k, dim=-1).indices
+        load = torch.bincount(chosen.flatten(), minlength=experts)
+        loads.append(load.tolist())
+        out = dense(x, *params, k) if bias is None else dense(x, *params, k, bias=bias)
+        loss = task = ((out - target) ** 2).mean()
+        if alpha:
+            loss = loss + balance_loss(probs, chosen, experts, alpha)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return loads
+        if bias is not None:
+            bias += bias_rate * torch.sign(load.float().mean() - load)
+    return {"loads": loads, "task_loss": task.item()}
 
 
 def dense_seconds(fn, steps: int = 3, world_size: int = 4, **size) -> float:
