@@ -269,6 +269,16 @@ class Timeline:
         return str(path)
 
 
+def noted(slot: list, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and what lablib's helpers noted in ``slot`` (a one-item list) meanwhile: a check's
+    record of the calls the learner's code made (``attend``'s blocks, ``expert``'s tokens), in order."""
+    slot[0] = []
+    try:
+        return fn(*args, **kwargs), list(slot[0])
+    finally:
+        slot[0] = None
+
+
 def compare(*timelines: Timeline, titles=None, steps=None, title: str = ""):
     """Timelines one above the other on one time axis (e.g. without and with prefetch), each titled with
     its step time and the change against the first: the drawn timeline's, or ``steps`` (seconds, one per

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..timeline import span
+from ..timeline import noted, span
 from ..toy import seeded
 
 _BLOCKS: list = [None]  # (query rows, key rows) of each attend() while a check holds a list here
@@ -71,11 +71,7 @@ def _runs(pos) -> list[tuple[int, int]]:
 
 def blocks_of(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` and the (query rows, key rows) of every block ``attend`` computed meanwhile."""
-    _BLOCKS[0] = []
-    try:
-        return fn(*args, **kwargs), list(_BLOCKS[0])
-    finally:
-        _BLOCKS[0] = None
+    return noted(_BLOCKS, fn, *args, **kwargs)
 
 
 def positions(layout: str, rank: int, world_size: int, tokens: int) -> torch.Tensor:

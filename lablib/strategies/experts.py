@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..timeline import span
+from ..timeline import noted, span
 from ..toy import seeded
 
 _ROWS: list = [None]  # the rows of each expert() call while a check holds a list here
@@ -32,11 +32,7 @@ def expert(x, w1, w2):
 
 def rows_of(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` and the number of tokens of every ``expert`` call meanwhile, in order."""
-    _ROWS[0] = []
-    try:
-        return fn(*args, **kwargs), list(_ROWS[0])
-    finally:
-        _ROWS[0] = None
+    return noted(_ROWS, fn, *args, **kwargs)
 
 
 def layer(dim: int, hidden: int, experts: int, seed: int = 0) -> tuple:
