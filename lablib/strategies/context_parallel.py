@@ -132,32 +132,19 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
     link (``comm.LINKS``). Returns the seconds of each step, the CPU seconds this rank's thread spent in
     the last (its compute, whether or not it had a core to itself) and its attention work (causal
     query-key pairs)."""
-    import time
-
     import torch.distributed as dist
 
     from .. import comm
-    from .prefetch import start_recording
+    from .prefetch import timed_steps
 
     r, n = dist.get_rank(), dist.get_world_size()
     s = {**BIG, **size}
     every = [comm.to_device(positions(layout, p, n, s["tokens"])) for p in range(n)]
     q, k, v = (comm.to_device(t[..., every[r], :].contiguous())
                for t in qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
-    seconds = []
-    for step in range(steps + 1):
-        if step == steps:
-            start_recording()
-        else:
-            dist.barrier()
-        with comm.simulated(link):
-            t0, cpu = time.perf_counter(), time.thread_time()
-            fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
-            comm.synchronize()
-            seconds.append(time.perf_counter() - t0)
-            cpu = time.thread_time() - cpu
+    seconds, cpu, _ = timed_steps(steps, link, lambda: fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal))
     whole = torch.arange(s["tokens"])
-    return {"seconds": seconds[1:], "cpu": cpu,
+    return {"seconds": seconds, "cpu": cpu,
             "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"]}
 
 

@@ -96,12 +96,10 @@ def moe_job(fn, skew: float = 0.0, steps: int = 2, link=None, dispatcher: str = 
     runs ``allgather_moe`` instead. ``link``: collectives over a simulated link. Returns each step's seconds,
     the tokens each of this rank's experts computed, and the assignments this rank's tokens have on each
     rank (by ``route``, the router)."""
-    import time
-
     import torch.distributed as dist
 
     from .. import comm
-    from .prefetch import start_recording
+    from .prefetch import timed_steps
 
     r, n = dist.get_rank(), dist.get_world_size()
     s = {**BIG, **size}
@@ -109,25 +107,13 @@ def moe_job(fn, skew: float = 0.0, steps: int = 2, link=None, dispatcher: str = 
     x = tokens(s["tokens"], s["dim"], router, seed=r, skew=skew)
     x, router, w1, w2 = comm.to_device(x, router, local(w1, r, n), local(w2, r, n))
     extra = () if capacity_factor is None else (capacity_factor,)
-    seconds, rows = [], []
-    for step in range(steps + 1):
-        if step == steps:
-            start_recording()
-        else:
-            dist.barrier()
-        with comm.simulated(link):
-            t0 = time.perf_counter()
-            if dispatcher == "all_gather":
-                _, rows = rows_of(allgather_moe, x, router, w1, w2, s["k"], route)
-            else:
-                _, rows = rows_of(fn, x, router, w1, w2, s["k"], *extra)
-            comm.synchronize()
-            seconds.append(time.perf_counter() - t0)
+    layer_fn, args = (allgather_moe, (route,)) if dispatcher == "all_gather" else (fn, extra)
+    seconds, _, (_, rows) = timed_steps(steps, link, lambda: rows_of(layer_fn, x, router, w1, w2, s["k"], *args))
     to_rank = None
     if route is not None:
         chosen = route(x, router, s["k"])[1]
         to_rank = torch.bincount(chosen.flatten() // (s["experts"] // n), minlength=n).tolist()
-    return {"seconds": seconds[1:], "rows": rows, "to_rank": to_rank}
+    return {"seconds": seconds, "rows": rows, "to_rank": to_rank}
 
 
 def balance_run(route, dense, balance_loss, alpha: float, steps: int = 100, skew: float = 2.0, experts: int = 8,

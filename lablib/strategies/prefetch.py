@@ -215,6 +215,29 @@ def train(hooks: Hooks, model_name: str = "mlp", steps: int = 3, optimizer: Opti
             "seconds": seconds}
 
 
+def timed_steps(steps: int, link, body) -> tuple[list, float, object]:
+    """``body()`` a warm-up and then ``steps`` times, every rank starting each step together, the last one
+    recorded (``start_recording``), each over ``link`` (``comm.LINKS``; None: the real one) and timed to the
+    end of its GPU work: (each timed step's seconds, the CPU seconds of the last, what the last returned)."""
+    import time
+
+    import torch.distributed as dist
+
+    seconds, cpu, out = [], 0.0, None
+    for step in range(steps + 1):
+        if step == steps:
+            start_recording()
+        else:
+            dist.barrier()
+        with comm.simulated(link):
+            t0, cpu = time.perf_counter(), time.thread_time()
+            out = body()
+            comm.synchronize()
+            seconds.append(time.perf_counter() - t0)
+            cpu = time.thread_time() - cpu
+    return seconds[1:], cpu, out
+
+
 def step_times(results) -> list[float]:
     """Each timed step's seconds, on the slowest rank."""
     return [max(r["seconds"][k] for r in results) for k in range(len(results[0]["seconds"]))]
