@@ -159,16 +159,18 @@ WATCH: list = [None]
 WORKS: list = [None]
 
 
-def watched(fn, *args, works: list | None = None, peers: bool = False):
+def watched(fn, *args, works: list | None = None, peers: bool = False, groups: bool = False):
     """``fn(*args)`` and the traced collectives it issued, in order: "all_reduce 3072" (its name and the
     bytes it took in). ``works``: a list that receives the handle of each one issued with ``async_op``
     (``Work.waited`` then tells whether ``fn`` waited for it). ``peers``: a send or recv as "send 512 to 1", an
-    all-to-all with the bytes it sent to each rank, "all_to_all 96 to 32/64"."""
+    all-to-all with the bytes it sent to each rank, "all_to_all 96 to 32/64". ``groups``: a collective with the
+    ranks of its group, "all_reduce 3072 on 0/2" ("on all" without a group)."""
     WATCH[0], WORKS[0] = [], works
     try:
         out = fn(*args)
         return out, [f"{op} {nbytes}" + (f" {'to' if op != 'recv' else 'from'} {_peer(peer)}" if peers and peer is not None else "")
-                     for op, _, nbytes, peer in WATCH[0]]
+                     + (f" on {_peer(group) if group else 'all'}" if groups and op not in ("send", "recv") else "")
+                     for op, _, nbytes, peer, group in WATCH[0]]
     finally:
         WATCH[0] = WORKS[0] = None
 
@@ -213,7 +215,7 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
     if group is not None and op not in ("send", "recv"):  # a sub-group's collective: its ranks, for the byte counts
         meta["group"] = dist.get_process_group_ranks(group)
     if WATCH[0] is not None:
-        WATCH[0].append((op, target, nbytes, meta.get("peer", meta.get("to"))))
+        WATCH[0].append((op, target, nbytes, meta.get("peer", meta.get("to")), meta.get("group")))
     back, device_target = None, target
     if (tensor.is_cuda or STAGE_CPU[0]) and _on_gloo(group):
         tensor, target, back = _staged(op, tensor, target)

@@ -7,6 +7,11 @@ A lab is five files in known places, named from its line here:
     lablib/strategies/<name>.py       the harness its tasks run in, one file per strategy (none for lab 00)
     tests/test_<checks>.py            its tests
 tests/test_layout.py holds every registered lab to this, and every notebook in sources/ to a line here.
+
+``builds_on``: the earlier labs whose answers (lablib's) a lab's rank jobs run as its harness, as lab 08
+composes lab 04's tensor-parallel layer and lab 05's executor. The box that grades such a lab holds those
+answers and no other lab's (``course.grade``); the learner's own code of that lab is still refused any
+reach into lablib's answers (``checks.policy``).
 """
 from typing import NamedTuple
 
@@ -15,6 +20,12 @@ class Lab(NamedTuple):
     notebook: str
     checks: str
     strategies: tuple = ()
+    builds_on: tuple = ()
+
+
+def builds_on(notebook: str) -> tuple:
+    """The answers modules (e.g. ("lab04", "lab05")) the box grading ``notebook`` (its stem) holds."""
+    return next((lab.builds_on for lab in LABS if lab.notebook == notebook), ())
 
 
 LABS = (
@@ -26,4 +37,5 @@ LABS = (
     Lab("05_pipeline_bubbles", "lab05", ("schedules", "pipeline", "pp_reference")),
     Lab("06_context_parallel", "lab06", ("context_parallel",)),
     Lab("07_experts", "lab07", ("experts",)),
+    Lab("08_composition", "lab08", ("compose", "planner"), builds_on=("lab04", "lab05")),
 )

@@ -1,4 +1,4 @@
-"""Every exercise cell of labs 00-07 solved again, in another style than the sources' (helpers, classes,
+"""Every exercise cell of labs 00-08 solved again, in another style than the sources' (helpers, classes,
 comprehensions, other loops and names), written from the notebooks' instructions: grading must pass them
 all (tests/test_grading.py), so the rules refuse no honest way of writing the tasks. Keyed by cell id."""
 
@@ -647,5 +647,82 @@ def load_balance_loss(probs, experts, num_experts, alpha):
     share = load / load.sum()
     mean_prob = probs.sum(dim=0) / probs.shape[0]
     return alpha * num_experts * torch.dot(share, mean_prob)
+''',
+    # -- lab 08 --------------------------------------------------------------------------------------------
+    "d9a8c69e": '''\
+def mesh_groups(shape, names):
+    me = dist.get_rank()
+    result = {}
+    for d in range(len(shape)):
+        stride = math.prod(shape[d + 1:])
+        starts = [r for r in range(math.prod(shape)) if (r // stride) % shape[d] == 0]
+        for start in starts:
+            members = [start + i * stride for i in range(shape[d])]
+            g = dist.new_group(ranks=members)
+            if me in members:
+                result[names[d]] = g
+    return result
+''',
+    "2d522c2c": '''\
+def train_step(kit, x, y, groups, micro_batches):
+    dp_size = dist.get_world_size(groups["dp"])
+    my_index = dist.get_group_rank(groups["dp"], dist.get_rank())
+    rows = x.shape[0] // dp_size
+    mine_x, mine_y = x[my_index * rows:(my_index + 1) * rows], y[my_index * rows:(my_index + 1) * rows]
+    step = rows // micro_batches
+    batches = [(mine_x[i:i + step], mine_y[i:i + step]) for i in range(0, rows, step)]
+
+    def stage(h):
+        for w1, b1, w2, b2 in kit.blocks:
+            h = h + kit.tp_mlp(h, w1, b1, w2, b2, group=groups["tp"])
+        return h
+
+    def mb_loss(out, target):
+        return ((out - target) ** 2).mean() / micro_batches
+
+    loss = kit.pipeline(stage, batches, mb_loss, groups["pp"])
+    for p in kit.params():
+        lablib.all_reduce(p.grad, group=groups["dp"])
+        p.grad /= dp_size
+    lablib.all_reduce(loss, group=groups["dp"])
+    return loss / dp_size
+''',
+    "2a19af83": '''\
+class Recompute(torch.autograd.Function):
+    """fn(h) without its activations kept; run again in the backward."""
+    @staticmethod
+    def forward(ctx, fn, h):
+        ctx.run = fn
+        ctx.save_for_backward(h)
+        with torch.no_grad():
+            out = fn(h)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors[0]
+        again = saved.detach()
+        again.requires_grad = True
+        with torch.enable_grad():
+            out = ctx.run(again)
+        out.backward(grad)
+        return None, again.grad
+
+
+def checkpointed(forward):
+    def run(h):
+        return Recompute.apply(forward, h)
+    return run
+''',
+    "708ed652": '''\
+def memory_per_gpu(model, layout):
+    per_gpu_params = model.stage_params(layout.pp) / layout.tp
+    weights_and_grads = per_gpu_params * 2 * 2
+    optimizer = per_gpu_params * 12 / (layout.dp * layout.cp)
+    tokens = layout.seq * layout.micro_batch_size / (layout.tp * layout.cp)
+    bytes_per_layer = tokens * model.hidden * (2 if layout.recompute else 34)
+    layers_here = -(-model.layers // layout.pp)
+    held = layout.micro_batches if layout.micro_batches < layout.pp else layout.pp
+    return dict(states=weights_and_grads + optimizer, activations=held * layers_here * bytes_per_layer)
 ''',
 }

@@ -5,9 +5,9 @@ code outside the box finds every one (so the search can find them)."""
 import importlib
 import inspect
 import json
+import shutil
 import subprocess
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -106,7 +106,8 @@ def test_every_task_registers_its_answers_and_every_check_takes_registered_funct
         assert all(answer_prints(lab.checks)), lab.checks
 
 
-def test_the_grading_box_holds_no_lab_answers(box, tmp_path):  # noqa: F811 (the fixture)
+@pytest.mark.parametrize("held", [(), next(lab.builds_on for lab in LABS if lab.builds_on)], ids=["no lab", "built on"])
+def test_the_grading_box_holds_no_lab_answers_but_those_its_lab_builds_on(box, tmp_path, held):  # noqa: F811
     labs = [lab.checks for lab in LABS]
     work = tmp_path / "work"
     work.mkdir()
@@ -116,14 +117,20 @@ def test_the_grading_box_holds_no_lab_answers(box, tmp_path):  # noqa: F811 (the
     seen = json.loads((work / "found.json").read_text())
     assert seen["failed"] == {}
     (work / "found.json").unlink()
-    with tempfile.TemporaryDirectory() as empty:
-        run = sandbox.run(argv, workdir=work, **grade.box_view(Path(empty)), limits=sandbox.Limits(HUNG))
+    folder = grade.answers_folder(held)
+    try:
+        run = sandbox.run(argv, workdir=work, **grade.box_view(folder), limits=sandbox.Limits(HUNG))
+    finally:
+        shutil.rmtree(folder)
     assert run.returncode == 0 and run.boxed, run.output
     inside = json.loads((work / "found.json").read_text())
-    # every lab's answers are missing in the box, and nothing else is
-    assert sorted(inside["failed"]) == sorted(f"lablib.answers.{lab}" for lab in labs), inside["failed"]
+    # every lab's answers are missing in the box but those it holds, and nothing else is
+    assert sorted(inside["failed"]) == sorted(f"lablib.answers.{lab}" for lab in labs if lab not in held), inside["failed"]
     assert all("ModuleNotFoundError" in why for why in inside["failed"].values())
     for lab in labs:
         prints = answer_prints(lab)
         assert prints <= set(seen["found"]), lab  # outside, the search finds every answer...
-        assert not prints & set(inside["found"]), lab  # ...inside, none: no copy under another name either
+        if lab in held:
+            assert prints <= set(inside["found"]), lab  # ...inside, those the lab builds on...
+        else:
+            assert not prints & set(inside["found"]), lab  # ...and no other: no copy under another name either

@@ -15,8 +15,8 @@ from lablib.labs import LABS
 from lablib.device_audit import Audit, DeviceRuleBroken, check_result
 from lablib.timeline import RECORDER
 from lablib.pool import backend
-from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, registered
-from lablib.strategies import fsdp, pp_reference, prefetch, tensor_parallel as tp
+from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, lab08, registered
+from lablib.strategies import compose, fsdp, pp_reference, prefetch, tensor_parallel as tp
 from lablib.strategies import tp_reference
 
 
@@ -67,15 +67,25 @@ def test_the_audit_tells_a_tensor_made_on_the_rule_from_one_that_never_went_thro
             check_result([torch.ones(2) * 3])
 
 
-@pytest.fixture(scope="module")
-def audited():
+def _audited(n: int):
     """A pool whose ranks run every job under the audit (the variable is set only while they start: the
     other pools of the session stay as they are)."""
     with pytest.MonkeyPatch.context() as m:
         m.setenv("LABLIB_DEVICE_AUDIT", "1")
-        c = lablib.Cluster(2, backend="gloo", timeout=20, quiet=True)
+        c = lablib.Cluster(n, backend="gloo", timeout=20, quiet=True)
     with c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def audited():
+    yield from _audited(2)
+
+
+@pytest.fixture(scope="module")
+def audited4():
+    """For the checks that run on 4 ranks only (lab 08's 2 × 2 meshes)."""
+    yield from _audited(4)
 
 
 def _off_rule():
@@ -104,8 +114,8 @@ def run_check(lab: str, check: Check, cluster) -> str:
 
 
 @pytest.mark.parametrize("lab, check", RANK_CHECKS, ids=[c.task for _, c in RANK_CHECKS])
-def test_every_labs_rank_jobs_keep_the_device_rule(audited, lab, check):
-    run_check(lab, check, audited)
+def test_every_labs_rank_jobs_keep_the_device_rule(audited, request, lab, check):
+    run_check(lab, check, audited if audited.world_size in check.world_sizes else request.getfixturevalue("audited4"))
 
 
 def test_the_labs_measurements_keep_the_device_rule(audited):
@@ -117,6 +127,10 @@ def test_the_labs_measurements_keep_the_device_rule(audited):
     audited.run(tp_reference.dtensor_block_job, 1, 0)
     audited.run(pp_reference.step_job, pp_answers.execute, lambda p, m, v=1: pp_answers.one_f_one_b(p, m), 2, 1, None, 1)
     audited.run(pp_reference.torch_step_job, "1f1b", 2, 1, 1)
+
+
+def test_lab_08s_measurements_keep_the_device_rule(audited4):
+    audited4.run(compose.step_job, lab08.train_step, compose.MESHES["TP×PP"], 0, 2, lab08.checkpointed)
 
 
 def _staged_collectives():

@@ -50,7 +50,8 @@ DENIED = {"sys", "os", "modules", "builtins", "importlib", "subprocess", "ctypes
 
 # What ``dist.*`` in a task's forbidden rules leaves allowed: questions, no data moved (labs 03-04, whose
 # exercises communicate through lablib's traced collectives only).
-DIST_QUERIES = {"get_rank", "get_world_size", "ReduceOp", "is_initialized", "get_backend"}
+DIST_QUERIES = {"get_rank", "get_world_size", "ReduceOp", "is_initialized", "get_backend", "get_group_rank",
+                "get_process_group_ranks", "get_global_rank"}
 
 # Collectives a ring must not call, with what to do instead (lab 02). A key starting with "~" matches
 # any attribute that contains it (all_gather_coalesced, allgather, reduce_scatter_tensor, ...).

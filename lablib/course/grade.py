@@ -227,7 +227,7 @@ def grade_learner(folder: Path, course: Course) -> list[LabResult]:
             request.append({"lab": lab.lab, "cells": ex.cells, "calls": [
                 {"id": f"{name}:{c.id}", "group": f"{name}:{c.grade_id}", "module": c.module, "check": c.check, "params": list(c.params),
                  "world_size": c.world_size, "seed": c.seed, "given": c.given()} for c in runnable]})
-    records, box_note = run_box(request, course) if request else ({}, "")
+    records, box_note = run_boxes(request, course)
     for (name, gid), calls in pending.items():
         lab = labs[name]
         lab.items.append(judge(lab, gid, calls, records, name, course.points[name][gid], box_note))
@@ -263,12 +263,40 @@ def judge(lab: LabResult, gid: str, calls, records: dict, name: str, points: flo
     return Item(lab.learner, lab.lab, gid, "check", points, points, "passed", texts[-1] if texts else "")
 
 
-def run_box(request: list, course: Course) -> tuple[dict, str]:
-    """Run the request in a box; ({call id: record}, a note on how the box ended or "")."""
+def run_boxes(request: list, course: Course) -> tuple[dict, str]:
+    """The request's labs in one box, but a lab that builds on earlier labs' answers (``labs.builds_on``)
+    in a box of its own holding those; ({call id: record}, the boxes' notes)."""
+    from ..labs import builds_on
+
+    parts: dict[tuple, list] = {}
+    for lab in request:
+        parts.setdefault(builds_on(lab["lab"]), []).append(lab)
+    records, notes = {}, []
+    for held, labs in parts.items():
+        got, note = run_box(labs, course, held)
+        records.update(got)
+        notes.append(note)
+    return records, "\n".join(n for n in notes if n)
+
+
+def answers_folder(held: tuple = ()) -> Path:
+    """A new folder to lay over ``lablib/answers`` in a box: empty, or holding read-only copies of the
+    answers modules ``held`` (e.g. ("lab04", "lab05")) and the package's ``__init__.py``."""
+    folder = Path(tempfile.mkdtemp(prefix="lablib-answers-"))  # outside work: the box cannot write into it
+    source = Path(__file__).resolve().parents[1] / "answers"
+    for name in (("__init__",) + tuple(held)) if held else ():
+        shutil.copyfile(source / f"{name}.py", folder / f"{name}.py")
+        os.chmod(folder / f"{name}.py", 0o444)
+    return folder
+
+
+def run_box(request: list, course: Course, held: tuple = ()) -> tuple[dict, str]:
+    """Run the request in a box holding the answers modules ``held`` and no other; ({call id: record}, a note
+    on how the box ended or "")."""
     from . import sandbox
 
     work, notes = Path(tempfile.mkdtemp(prefix="lablib-grade-")), []
-    empty = Path(tempfile.mkdtemp(prefix="lablib-no-answers-"))  # outside work: the box cannot write into it
+    held_dir = answers_folder(held)
     try:
         nonce = secrets.token_hex(16)
         (work / "request.json").write_text(json.dumps({"nonce": nonce, "check_timeout": course.check_timeout,
@@ -276,7 +304,7 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
         results = work / "results.jsonl"
         env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LABLIB_GRADING": "1"}
         run = sandbox.run([sys.executable, "-m", "lablib.course.runner", str(work / "request.json"), str(results)],
-                          workdir=work, **box_view(empty), env=env, limits=sandbox.Limits(seconds=course.time_limit),
+                          workdir=work, **box_view(held_dir), env=env, limits=sandbox.Limits(seconds=course.time_limit),
                           cwd=work)
         wanted = {c["id"] for lab in request for c in lab["calls"]}
         records, duplicated, cells = {}, set(), []
@@ -308,16 +336,17 @@ def run_box(request: list, course: Course) -> tuple[dict, str]:
             notes.append(run.warning)
     finally:
         notes.append(_remove(work))
-        empty.rmdir()
+        shutil.rmtree(held_dir)
     return records, "\n".join(n for n in notes if n)
 
 
-def box_view(empty: Path) -> dict:
+def box_view(answers: Path) -> dict:
     """What a grading box sees besides its work dir (``sandbox.run``'s readonly and overlays): the virtual
-    environment and lablib, read-only, with the empty folder ``empty`` over ``lablib/answers``, so no lab's
-    answers are in the box; the checks' collect steps get what they need of them as data."""
+    environment and lablib, read-only, with the folder ``answers`` over ``lablib/answers`` (``answers_folder``:
+    empty, so no lab's answers are in the box, or holding the answers a lab builds on); the checks' collect
+    steps get what else they need of them as data."""
     lablib_dir = Path(__file__).resolve().parents[1]
-    return {"readonly": [Path(sys.prefix), lablib_dir], "overlays": {lablib_dir / "answers": empty}}
+    return {"readonly": [Path(sys.prefix), lablib_dir], "overlays": {lablib_dir / "answers": answers}}
 
 
 def _remove(folder: Path) -> str:

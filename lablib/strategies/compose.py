@@ -1,0 +1,265 @@
+"""Data, tensor and pipeline parallelism together, on a mesh of ranks.
+
+The ranks form a mesh of sizes (pp, dp, tp), tensor-parallel innermost (consecutive ranks, as within a
+node: ``init_device_mesh``'s order, torchtitan's); each 2×2 slice of it runs on 4 ranks (``MESHES``). A rank
+holds its pipeline stage's blocks, each block's MLP split over its tensor-parallel group (lab 04's
+``tp_mlp``), and runs its data-parallel share of the global batch through the pipeline in micro-batches
+(lab 05's executor, 1F1B). ``Kit`` is lablib's part on one rank; the learner's step wires it, each
+collective on its axis's group and the loss scaled for the global batch; ``step_job`` runs that step and
+returns what the checks judge, ``reference`` the single process it must equal. Lab 04's and lab 05's
+answers are this lab's harness (``labs.builds_on``): imported when a kit is made, never at the top.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm
+from ..timeline import span
+
+AXES = ("pp", "dp", "tp")
+MESHES = {"DP×TP": (1, 2, 2), "DP×PP": (2, 2, 1), "TP×PP": (2, 1, 2)}  # (pp, dp, tp) on 4 ranks
+SIZE = dict(width=16, hidden=32, layers=4, rows=16, micro_batches=4)
+LR = 0.05
+TOL = 1e-5
+
+
+def size_for(seed) -> dict:
+    """A check's model and batch: ``SIZE``, or for a seed another width, depth (so other stage cuts), rows
+    and number of micro-batches."""
+    if not seed:
+        return dict(SIZE)
+    rng = torch.Generator().manual_seed(7 + seed)
+    pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=rng))]  # noqa: E731
+    return dict(width=pick(8, 12, 24), hidden=pick(16, 24, 40), layers=pick(2, 4, 6), rows=pick(8, 16, 24),
+                micro_batches=pick(1, 2, 4))
+
+
+def coords(rank: int, shape) -> dict[str, int]:
+    """Rank ``rank``'s place on the mesh of sizes ``shape`` = (pp, dp, tp): {axis: index}, row-major."""
+    _, dp, tp = shape
+    return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
+
+
+def axis_ranks(rank: int, shape, axis: str) -> list[int]:
+    """The ranks of ``rank``'s group along ``axis``: those that differ from it on that axis only."""
+    sizes, me = dict(zip(AXES, shape)), coords(rank, shape)
+    stride = {"pp": sizes["dp"] * sizes["tp"], "dp": sizes["tp"], "tp": 1}[axis]
+    first = rank - me[axis] * stride
+    return [first + i * stride for i in range(sizes[axis])]
+
+
+_GROUPS: dict = {}
+
+
+def mesh_groups(shape) -> dict:
+    """{axis: this rank's process group on it}, from ``init_device_mesh`` (made once per shape per process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape in _GROUPS:
+        try:
+            dist.get_process_group_ranks(_GROUPS[shape]["tp"])
+        except (KeyError, ValueError, RuntimeError):  # made before the pool's process group was started again
+            del _GROUPS[shape]
+    if shape not in _GROUPS:
+        mesh = init_device_mesh(comm.torch_device().type, tuple(shape), mesh_dim_names=AXES)
+        _GROUPS[shape] = {a: mesh.get_group(a) for a in AXES}
+    assert dist.get_world_size() == math.prod(shape)
+    return _GROUPS[shape]
+
+
+# -- the model and its data --------------------------------------------------------------------------------
+def model(width: int, hidden: int, layers: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    """``layers`` blocks x + W2 gelu(W1 x + b1) + b2, each [w1 (hidden, width), b1, w2 (width, hidden), b2]."""
+    g = torch.Generator().manual_seed(100 + seed)
+    out = []
+    for _ in range(layers):
+        out.append([torch.randn(hidden, width, generator=g) / width ** 0.5, torch.randn(hidden, generator=g) * 0.1,
+                    torch.randn(width, hidden, generator=g) / hidden ** 0.5, torch.randn(width, generator=g) * 0.1])
+    return out
+
+
+def batch(rows: int, width: int, step: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch (rows, width) and its targets: the same on every rank."""
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+
+
+def block(h, w1, b1, w2, b2):
+    return h + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+
+
+def reference(size: dict, seed: int = 0, steps: int = 1, lr: float = LR) -> dict:
+    """One process, the whole batch: each step's loss (mean squared error), the first step's gradients
+    (per block, [w1, b1, w2, b2]), SGD with ``lr`` between steps."""
+    blocks = [[t.clone().requires_grad_() for t in b] for b in model(size["width"], size["hidden"], size["layers"], seed)]
+    losses, grads = [], None
+    for step in range(steps):
+        x, y = batch(size["rows"], size["width"], step, seed)
+        h = x
+        for b in blocks:
+            h = block(h, *b)
+        loss = F.mse_loss(h, y)
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            if grads is None:
+                grads = [[t.grad.clone() for t in b] for b in blocks]
+            for t in (t for b in blocks for t in b):
+                t -= lr * t.grad
+                t.grad = None
+    return {"losses": losses, "grads": grads}
+
+
+def shard(blocks, rank: int, shape) -> list[list[torch.Tensor]]:
+    """Rank ``rank``'s part of ``blocks``: its stage's blocks (the layers cut into pp equal stages), each
+    block's w1 and b1 by rows and w2 by columns over the tensor-parallel ranks (b2 whole on each)."""
+    pp, _, tp = shape
+    me, per = coords(rank, shape), len(blocks) // pp
+    t = me["tp"]
+    return [[w1.chunk(tp, 0)[t], b1.chunk(tp, 0)[t], w2.chunk(tp, 1)[t], b2]
+            for w1, b1, w2, b2 in blocks[me["pp"] * per:(me["pp"] + 1) * per]]
+
+
+# -- lablib's part on one rank -----------------------------------------------------------------------------
+class Kit:
+    """What lablib gives the learner's step on one rank:
+    ``blocks``: this rank's stage's blocks, each [w1, b1, w2, b2], its tensor-parallel shards (leaves whose
+      ``.grad`` the backward fills);
+    ``tp_mlp(h, w1, b1, w2, b2, group)``: lab 04's MLP split over ``group`` (fc1 by columns, fc2 by rows, f and g),
+      refusing a group that reaches into another pipeline stage (whose ranks are not running this block: a hang);
+    ``pipeline(forward, batches, loss, group)``: lab 05's executor, 1F1B over ``group``; see its docstring;
+    ``params()``: every tensor of ``blocks``."""
+
+    def __init__(self, blocks, pp_ranks: list[int], stage_ranks: list[int], checkpointed=None):
+        self.blocks, self._stage = blocks, stage_ranks
+        self._pp, self._checkpointed = pp_ranks, checkpointed
+        self.kept: list[int] = []   # bytes each micro-batch's forward kept for its backward, in order
+        self.peak = 0               # activation bytes held at most at once
+
+    def params(self) -> list[torch.Tensor]:
+        return [t for b in self.blocks for t in b]
+
+    def tp_mlp(self, h, w1, b1, w2, b2, group=None):
+        import torch.distributed as dist
+
+        from ..answers.lab04 import tp_mlp
+
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if not set(ranks) <= set(self._stage):
+            raise ValueError(f"kit.tp_mlp got the group of ranks {ranks}, which reaches into another pipeline stage "
+                             f"(this stage's ranks are {self._stage}): those ranks are not running this block, so "
+                             "its all-reduce would wait for them forever. A block's shards are on its tensor-parallel "
+                             "ranks: pass groups['tp']")
+        return tp_mlp(h, w1, b1, w2, b2, group)
+
+    def pipeline(self, forward, batches, loss, group) -> torch.Tensor:
+        """Run ``batches`` [(x, y), one per micro-batch] through the stages of the pipeline group ``group``,
+        1F1B: ``forward(h)`` this stage's blocks on its input, ``loss(out, y)`` a micro-batch's loss on the
+        last stage. The gradients accumulate in ``.grad`` of the blocks. Returns the sum of the micro-batches'
+        losses, on every rank of the group (the last stage sends it back)."""
+        import torch.distributed as dist
+
+        from ..answers.lab05 import execute, one_f_one_b
+
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if ranks != self._pp:
+            raise ValueError(f"kit.pipeline got the group of ranks {ranks}; this rank's pipeline stages are on "
+                             f"ranks {self._pp}, its group on the pp axis: pass groups['pp']")
+        n, s = len(ranks), ranks.index(dist.get_rank())
+        if self._checkpointed is not None:
+            forward = self._checkpointed(forward)
+        stage = _Stage(s, n, forward, loss, list(batches), self)
+        execute({s: stage}, one_f_one_b(n, len(stage.batches))[s], group)
+        total = sum(stage.losses.values()) if stage.last else torch.zeros((), device=batches[0][0].device)
+        total = total.detach().reshape(1).clone()
+        comm.broadcast(total, ranks[-1], group=group, name="loss to every stage")
+        return total[0]
+
+
+class _Stage:
+    """One pipeline stage for lab 05's executor, running the learner's forward and loss, counting the bytes
+    autograd keeps between a micro-batch's forward and its backward (``tensor_parallel.saved_bytes``'s way)."""
+
+    def __init__(self, index, stages, forward, loss, batches, kit):
+        self.index, self.first, self.last = index, index == 0, index == stages - 1
+        self.fn, self.loss, self.batches, self.kit = forward, loss, batches, kit
+        self.held, self.losses, self.live = {}, {}, 0
+
+    def buffer(self):
+        return torch.empty_like(self.batches[0][0])
+
+    def forward(self, mb, x=None):
+        x = (self.batches[mb][0] if self.first else x).detach().requires_grad_()
+        weights = {t.untyped_storage().data_ptr() for t in self.kit.params()}
+        seen = {(x.untyped_storage().data_ptr(), x.storage_offset()): x.nbytes}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.nbytes
+            return t
+
+        with span(f"F{mb}", "compute", op="forward", mb=mb, stage=self.index), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.fn(x)
+            if self.last:
+                out = self.loss(out, self.batches[mb][1])
+                self.losses[mb] = out.detach()
+        kept = sum(seen.values())
+        self.held[mb] = (x, out, kept)
+        self.kit.kept.append(kept)
+        self.live += kept
+        self.kit.peak = max(self.kit.peak, self.live)
+        return None if self.last else out.detach()
+
+    def backward(self, mb, grad=None, weights=True):
+        x, out, kept = self.held.pop(mb)
+        with span(f"B{mb}", "compute", op="backward", mb=mb, stage=self.index):
+            torch.autograd.backward(out, None if self.last else grad)
+        self.live -= kept
+        return None if self.first else x.grad.detach()
+
+
+# -- the learner's step on the ranks -----------------------------------------------------------------------
+def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size: dict | None = None,
+             link=None) -> dict:
+    """On each rank of a mesh of sizes ``shape``: ``steps`` steps of ``train_step(kit, x, y, groups,
+    micro_batches)`` on the global batches, SGD between them, the last on the timeline; ``link``: collectives
+    over a simulated link. Returns each step's loss as the step returned
+    it, the first step's gradients of this rank's shards, the collectives it issued ("op bytes on ranks"),
+    the bytes each micro-batch's forward kept and the most held at once, and each step's seconds."""
+    import time
+
+    import torch.distributed as dist
+
+    from ..comm import to_device, watched
+    from .prefetch import start_recording
+
+    rank, s = dist.get_rank(), size or size_for(seed)
+    groups = mesh_groups(tuple(shape))
+    flat = to_device(*[t for b in shard(model(s["width"], s["hidden"], s["layers"], seed), rank, shape) for t in b])
+    blocks = [[t.clone().requires_grad_() for t in flat[i:i + 4]] for i in range(0, len(flat), 4)]
+    stage = [r for r in range(math.prod(shape)) if coords(r, shape)["pp"] == coords(rank, shape)["pp"]]
+    kit = Kit(blocks, axis_ranks(rank, shape, "pp"), stage, checkpointed)
+    losses, grads, ops, seconds = [], None, None, []
+    for step in range(steps):
+        x, y = to_device(*batch(s["rows"], s["width"], step, seed))
+        start_recording() if step == steps - 1 else dist.barrier()  # the timeline holds the last step
+        t0 = time.perf_counter()
+        with comm.simulated(link):
+            loss, done = watched(train_step, kit, x, y, dict(groups), s["micro_batches"], groups=True)
+            comm.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        losses.append(loss.detach().item() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss)
+        if grads is None:
+            grads, ops = [[None if t.grad is None else t.grad.detach().clone() for t in b] for b in kit.blocks], done
+        with torch.no_grad():
+            for t in kit.params():
+                if t.grad is not None:
+                    t -= LR * t.grad
+                t.grad = None
+    return {"losses": losses, "grads": grads, "ops": ops, "kept": kit.kept[:s["micro_batches"]], "peak": kit.peak,
+            "seconds": seconds}

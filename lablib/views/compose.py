@@ -1,0 +1,62 @@
+"""Lab 08's figures: a composed step's timeline with each axis's collectives in their own colour, and the
+planner's layouts (memory per GPU against step time)."""
+from __future__ import annotations
+
+import dataclasses
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..strategies import compose as cp
+from ..strategies.planner import describe
+from ..timeline import Timeline
+from .timeline import OPS
+
+
+def by_axis(timeline, shape):
+    """A copy of ``timeline`` whose all-reduces and broadcasts are named and coloured by the axis of their
+    group (tp, dp, pp) on the mesh of sizes ``shape`` = (pp, dp, tp)."""
+    spans = []
+    for s in timeline.spans:
+        op, group = s.meta.get("op"), s.meta.get("group")
+        if s.kind == "comm" and op in ("all_reduce", "broadcast") and group is not None:
+            axis = next((a for a in cp.AXES if cp.axis_ranks(s.rank, shape, a) == group), None)
+            if axis and f"{axis}_{op}" in OPS:
+                s = dataclasses.replace(s, name=f"{axis} {s.name}", meta={**s.meta, "op": f"{axis}_{op}"})
+        spans.append(s)
+    return Timeline(spans, timeline.world_size, timeline.clock_error, timeline.title)
+
+
+def plan_figure(plans: dict):
+    """One panel per model: a point per layout, memory per GPU (GB) against modelled step time (s), those
+    that fit filled, the planner's pick a star. ``plans``: {title: (rows, memory limit in bytes)}."""
+    fig = make_subplots(rows=1, cols=len(plans), subplot_titles=list(plans), horizontal_spacing=0.07)
+    for col, (title, (rows, limit)) in enumerate(plans.items(), start=1):
+        pick = next((r for r in rows if r["fits"]), None)
+        for fits, name, symbol in ((True, "fits", "circle"), (False, "does not fit", "circle-open")):
+            pts = [r for r in rows if r["fits"] == fits and r is not pick]
+            fig.add_trace(go.Scattergl(
+                x=[r["total"] for r in pts], y=[r["memory"] / 1e9 for r in pts], mode="markers", name=name,
+                marker=dict(symbol=symbol, size=6, color="#0072B2" if fits else "#999999"),
+                text=[f"{describe(r['layout'])}<br>{r['memory'] / 1e9:.1f} GB, {r['total']:.2f} s" for r in pts],
+                hovertemplate="%{text}<extra></extra>", legendgroup=name, showlegend=col == 1), row=1, col=col)
+        if pick:
+            fig.add_trace(go.Scatter(x=[pick["total"]], y=[pick["memory"] / 1e9], mode="markers", name="the pick",
+                                     marker=dict(symbol="star", size=14, color="#D55E00"),
+                                     text=[describe(pick["layout"])], hovertemplate="%{text}<extra></extra>",
+                                     legendgroup="pick", showlegend=col == 1), row=1, col=col)
+        fig.add_hline(y=limit / 1e9, line=dict(dash="dot", color="#D55E00"), row=1, col=col)
+        fig.update_xaxes(title_text="step time, s (modelled)", type="log", row=1, col=col)
+        fig.update_yaxes(title_text="memory per GPU, GB (modelled)" if col == 1 else None, type="log", row=1, col=col)
+    fig.update_layout(height=420, title="Every valid layout: memory per GPU against step time (modelled; dotted: "
+                      "the memory a layout may use)", plot_bgcolor="white")
+    return fig
+
+
+def plan_table(rows: list[dict], count: int = 5) -> str:
+    """The ``count`` fastest layouts that fit, with the terms of their step time."""
+    lines = [f"{'layout':58} {'GB':>6} {'step s':>7} {'compute':>8} {'tp':>6} {'cp':>6} {'bubble':>7} {'dp':>6}"]
+    for r in [r for r in rows if r["fits"]][:count]:
+        lines.append(f"{describe(r['layout']):58} {r['memory'] / 1e9:6.1f} {r['total']:7.2f} {r['compute']:8.2f} "
+                     f"{r['tp']:6.2f} {r['cp']:6.2f} {r['bubble']:7.2f} {r['dp']:6.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""Lab 08 (putting it together): the mesh's axes and their groups, one step with data, tensor and pipeline
+parallelism at once equal to one process on every 2×2 mesh (lablib's answers on real Gloo ranks), the
+activations 1F1B holds and recomputation keeps, measured, the planner's layouts, the timeline coloured by
+axis, and Tasks 8.1-8.4's checks on right answers and on every mistake their messages name."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lablib
+from lablib.answers import lab08 as A
+from lablib.checks import CheckFailed
+from lablib.checks.lab08 import check_memory, check_mesh, check_recompute, check_step, row_major
+from lablib.strategies import compose as cp
+from lablib.strategies import planner
+from lablib.views import compose as view
+
+
+@pytest.fixture(scope="module")
+def four():
+    with lablib.Cluster(4, backend="gloo", timeout=5, quiet=True) as c:
+        yield c
+
+
+def _judged(check, fns, pool=None, seed=None):
+    return check.judge(check.collect(fns, pool, seed), 4, seed)
+
+
+def test_each_axis_group_is_the_ranks_that_differ_on_that_axis_only():
+    for shape in cp.MESHES.values():
+        for rank in range(4):
+            for d, axis in enumerate(cp.AXES):
+                assert cp.axis_ranks(rank, shape, axis) == row_major(rank, shape, d)
+    assert cp.axis_ranks(1, (1, 2, 2), "dp") == [1, 3] and cp.axis_ranks(1, (2, 1, 2), "pp") == [1, 3]
+
+
+def test_lablibs_answers_pass_every_check(four):
+    for seed in (None, 3):
+        assert "init_device_mesh's" in _judged(check_mesh, (A.mesh_groups,), four, seed)
+    for seed in (None, 2):
+        assert "DP×TP, DP×PP, TP×PP" in _judged(check_step, (A.train_step,), four, seed)
+    for seed in (None, 4):
+        assert "keeps its input only" in _judged(check_recompute, (A.train_step, A.checkpointed), four, seed)
+    for seed in (None, 5, 6):
+        assert "layouts" in _judged(check_memory, (A.memory_per_gpu,), None, seed)
+
+
+def test_1f1b_holds_p_minus_stage_micro_batches_and_recomputation_keeps_the_stage_input(four):
+    big = dict(width=64, hidden=128, layers=4, rows=64, micro_batches=4)
+    shape = cp.MESHES["TP×PP"]
+    kept = four.run(cp.step_job, A.train_step, shape, 0, 1, None, big)
+    recomputed = four.run(cp.step_job, A.train_step, shape, 0, 1, A.checkpointed, big)
+    one = 64 // 4 * 64 * 4  # a micro-batch's activations (16 rows of 64 fp32)
+    for rank, (k, r) in enumerate(zip(kept, recomputed)):
+        stage = cp.coords(rank, shape)["pp"]
+        assert k["peak"] == (2 - stage) * k["kept"][0]  # the planner's in-flight term: p - s, measured
+        assert r["kept"][0] == one * (3 if stage == 1 else 1) < k["kept"][0] / 2
+        for g, h in zip(sum(k["grads"], []), sum(r["grads"], [])):
+            assert torch.allclose(g, h, atol=1e-6)
+
+
+def test_the_timeline_colours_each_groups_collectives_by_axis(four):
+    shape = cp.MESHES["DP×TP"]
+    four.run(cp.step_job, A.train_step, shape, 0, 2)
+    timeline = view.by_axis(four.timeline(), shape)
+    ops = {(s.rank, s.meta.get("op"), tuple(s.meta.get("group", ()))) for s in timeline.spans if s.kind == "comm"}
+    for rank in range(4):
+        tp, dp = tuple(cp.axis_ranks(rank, shape, "tp")), tuple(cp.axis_ranks(rank, shape, "dp"))
+        assert {(rank, "tp_all_reduce", tp), (rank, "dp_all_reduce", dp)} <= ops
+    assert not any(op == "all_reduce" for _, op, _ in ops)
+    assert view.by_axis(four.timeline(), shape).figure() is not None
+
+
+def test_the_planner_tries_valid_layouts_and_picks_the_fastest_that_fits():
+    model = planner.MODELS["Llama 3 405B"]
+    rows = planner.plan(model, planner.H100, planner.h100s(8192), 8192, 2048 * 8192, A.memory_per_gpu)
+    for r in rows:
+        lay = r["layout"]
+        assert lay.dp * lay.tp * lay.pp * lay.cp == 8192 and lay.dp * lay.micro_batches == 2048
+        assert lay.tp <= 8 and model.heads % lay.tp == 0
+        assert math.isclose(r["total"], r["compute"] + r["tp"] + r["cp"] + r["bubble"] + r["dp"], rel_tol=1e-9)
+    pick = planner.best(rows)
+    assert pick["fits"] and pick["total"] == min(r["total"] for r in rows if r["fits"])
+    assert pick["layout"].tp == 8  # as Llama 3: the whole node
+    small = planner.best(planner.plan(planner.MODELS["Llama 2 7B"], planner.H100, planner.h100s(64), 4096,
+                                      1024 * 4096, A.memory_per_gpu))
+    assert small["layout"][:4] == (64, 1, 1, 1)  # a 7B model fits whole: data parallelism alone
+    assert planner.MODELS["Llama 3 405B"].params() == pytest.approx(405e9, rel=0.01)
+
+
+# -- mistakes the checks name ---------------------------------------------------------------------------
+def mesh_groups_transposed(shape, names):
+    rank, mine = dist.get_rank(), {}
+    ranks = torch.arange(math.prod(shape)).reshape(tuple(shape))
+    for d, name in enumerate(names):
+        other = len(shape) - 1 - d
+        for line in ranks.movedim(other, -1).reshape(-1, shape[other]).tolist():
+            group = dist.new_group(line)
+            if rank in line:
+                mine[name] = group
+    return mine
+
+
+def mesh_groups_list(shape, names):
+    return [dist.new_group(list(range(math.prod(shape))))]
+
+
+def test_mesh_mistakes_are_named(four):
+    with pytest.raises(CheckFailed, match="That is the 'tp' dimension's group"):
+        check_mesh(mesh_groups_transposed, four)
+    with pytest.raises(CheckFailed, match="returned list, expected a dict"):
+        check_mesh(mesh_groups_list, four)
+
+
+def make_step(tp="tp", sync="dp", pp="pp", loss_div="m*dp", average=False, loss_sum=True):
+    def train_step(kit, x, y, groups, micro_batches):
+        dp = groups["dp"]
+        n, i = dist.get_world_size(dp), dist.get_group_rank(dp, dist.get_rank())
+        xs, ys = x.chunk(n)[i].chunk(micro_batches), y.chunk(n)[i].chunk(micro_batches)
+
+        def forward(h):
+            for w in kit.blocks:
+                h = h + kit.tp_mlp(h, *w, group=groups.get(tp))
+            return h
+
+        div = {"m*dp": micro_batches * n, "m": micro_batches, "dp": n, "none": 1}[loss_div]
+        total = kit.pipeline(forward, list(zip(xs, ys)), lambda o, t: F.mse_loss(o, t) / div, groups.get(pp))
+        for t in kit.params():
+            if sync:
+                lablib.all_reduce(t.grad, group=groups.get(sync))
+                if average:
+                    t.grad /= n
+        if loss_sum:
+            lablib.all_reduce(total, group=dp)
+        return total
+    return train_step
+
+
+@pytest.mark.parametrize("step, message", [
+    (make_step(tp="dp"), "tensor-parallel layer ran over the dp axis's group"),
+    (make_step(tp="world"), r"kit.tp_mlp got the group of ranks \[0, 1, 2, 3\], which reaches into another pipeline stage"),
+    (make_step(sync="tp"), r"after the pipeline \(\d+ bytes\) ran over the tp axis's group"),
+    (make_step(sync="world"), "after the pipeline .* ran over every rank, the default group"),
+    (make_step(sync=None), r"all-reduced 4 bytes over groups\['dp'\] \(\[0, 2\]\), and its gradients are \d+ bytes"),
+    (make_step(loss_div="m"), "That is the data-parallel degree"),
+    (make_step(loss_div="dp"), "That is the number of micro-batches"),
+    (make_step(loss_div="none"), r"That is dp × micro-batches"),
+    (make_step(average=True), "That is 1 / the data-parallel degree"),
+    (make_step(loss_sum=False), "the global batch's is the sum over the dp ranks too"),
+    (make_step(pp="dp"), "the pipeline's stages talk over the pp axis"),
+], ids=["tp-on-dp", "tp-on-world", "sync-on-tp", "sync-on-world", "no-sync", "loss-not-over-dp",
+        "loss-not-over-m", "loss-unscaled", "divided-twice", "loss-not-summed", "pipeline-on-dp"])
+def test_step_mistakes_are_named(four, step, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_step(step, four)
+
+
+def checkpointed_keeps_everything(forward):
+    return forward
+
+
+def test_recompute_mistakes_are_named(four):
+    with pytest.raises(CheckFailed, match="recomputation keeps the stage's input only"):
+        check_recompute(make_step(), checkpointed_keeps_everything, four)
+
+
+def memory_states_not_over_cp(model, layout):
+    psi = model.stage_params(layout.pp) / layout.tp
+    per_layer = (2 if layout.recompute else 34) * layout.seq * layout.micro_batch_size * model.hidden
+    return {"states": 4 * psi + 12 * psi / layout.dp, "activations": min(layout.pp, layout.micro_batches)
+            * math.ceil(model.layers / layout.pp) * per_layer / (layout.tp * layout.cp)}
+
+
+def memory_every_micro_batch(model, layout):
+    psi = model.stage_params(layout.pp) / layout.tp
+    per_layer = (2 if layout.recompute else 34) * layout.seq * layout.micro_batch_size * model.hidden
+    return {"states": 4 * psi + 12 * psi / (layout.dp * layout.cp), "activations": layout.micro_batches
+            * math.ceil(model.layers / layout.pp) * per_layer / (layout.tp * layout.cp)}
+
+
+def test_memory_mistakes_are_named():
+    with pytest.raises(CheckFailed, match="your states are .* sharded over the ranks that hold the same weights"):
+        check_memory(memory_states_not_over_cp)
+    with pytest.raises(CheckFailed, match=r"your activations are .* min\(pp, micro-batches\)"):
+        check_memory(memory_every_micro_batch)
