@@ -157,6 +157,24 @@ def test_step_mistakes_are_named(four, step, message):
         check_step(step, four)
 
 
+def step_on_gathered_weights(kit, x, y, groups, micro_batches):
+    """The right numbers without the task: every rank gathers every block and computes the whole model."""
+    flat = torch.cat([t.detach().flatten() for t in kit.params()])
+    every = flat.new_empty(4 * flat.numel())
+    lablib.all_gather(every, flat)
+    dp = groups["dp"]
+    kit.pipeline(lambda h: h, [(x, y)], lambda o, t: (o * 0).sum(), groups["pp"])
+    for t in kit.params():  # (here the gathered model's gradients would go)
+        t.grad = torch.zeros_like(t)
+        lablib.all_reduce(t.grad, group=dp)
+    return torch.zeros(())
+
+
+def test_a_step_that_moves_data_outside_the_kit_is_refused(four):
+    with pytest.raises(CheckFailed, match=r"until the pipeline's end rank 0 issued \{'all_gather': 1"):
+        check_step(step_on_gathered_weights, four)
+
+
 def checkpointed_keeps_everything(forward):
     return forward
 

@@ -2,7 +2,8 @@
 against Gloo's collectives (P3, lab 02), FSDP with prefetching against FSDP2 (P4) and what it hides
 (P5, lab 03), the pipeline executor and its bubbles (P6, lab 05), the tensor-parallel block against
 DTensor (P9, lab 04), ring attention against single-process SDPA and the memory it keeps per rank (P10, lab 06), the
-expert-parallel layer against the dense layer and the all-gather dispatcher (P11, lab 07)."""
+expert-parallel layer against the dense layer and the all-gather dispatcher (P11, lab 07), the composed step with
+recomputation against keeping the activations (P12, lab 08)."""
 from __future__ import annotations
 
 import contextlib
@@ -201,3 +202,31 @@ def p11_experts(s: Settings) -> list[Row]:
     return [Row("P11", f"MoE layer forward, all-to-all dispatch (lab 07's solution), {what}", "ms", ours, dense,
                 "the dense layer in one process, every rank's tokens", "",
                 note="informational: one CPU's cores shared by the ranks"), against_gather]
+
+
+def p12_composition(s: Settings) -> list[Row]:
+    """Lab 08: the composed step on the TP×PP mesh (lab 08's solution), its stages recomputing their activations
+    against keeping them, interleaved: the step's time and the activations the first stage holds at most."""
+    from statistics import median
+
+    from ..answers import lab08
+    from ..pool import Cluster
+    from ..strategies import compose as cp
+
+    shape, times, peaks = cp.MESHES["TP×PP"], {None: [], True: []}, {None: [], True: []}
+    with Cluster(4, backend=s.backend, timeout=60, quiet=True) as c:
+        for _ in range(s.reps):
+            for wrap in (None, True):
+                results = c.run(cp.step_job, lab08.train_step, shape, 0, 4, wrap and lab08.checkpointed, cp.BIG)
+                times[wrap].append(median(max(r["seconds"][k] for r in results) for k in range(4)) * 1e3)
+                peaks[wrap].append(results[0]["peak"] / 2**20)
+    what = (f"TP×PP on 4 ranks, {cp.BIG['layers']} blocks of {cp.BIG['width']} (hidden {cp.BIG['hidden']}), "
+            f"{cp.BIG['rows']} rows in {cp.BIG['micro_batches']} micro-batches")
+    step = Row("P12", f"composed step, recomputed against kept activations, {what}", "ms", times[True], times[None],
+               "the same step keeping its activations", "< 1.5 x", note="recomputation runs each forward again: 4/3 "
+               "of the compute, and the forward's tensor-parallel all-reduces again")
+    step.met = step.ratio is not None and step.ratio < 1.5
+    held = Row("P12", f"activations the first stage holds at most, recomputed against kept, {what}", "MiB",
+               peaks[True], peaks[None], "the same step keeping its activations", "< 0.25 x")
+    held.met = held.ratio is not None and held.ratio < 0.25
+    return [step, held]

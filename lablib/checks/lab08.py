@@ -64,7 +64,24 @@ def mesh_job(fn, cases) -> list:
             except Exception as exc:  # noqa: BLE001 (anything not a group)
                 mine[str(name)] = f"not a process group ({type(group).__name__}: {exc})"
         out.append({"got": mine, "want": want})
+        _destroy(list(got.values()) + [mesh.get_group(n) for n in names])
     return out
+
+
+def _destroy(groups) -> None:
+    """Destroy the sub-groups a case made (each holds threads on its ranks, and a grading box counts them),
+    never the default group."""
+    import gc
+
+    import torch.distributed as dist
+
+    for group in {id(g): g for g in groups}.values():
+        if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 (not registered, or already destroyed)
+                pass
+    gc.collect()
 
 
 def collect_mesh(fns, pool, seed):
@@ -140,7 +157,35 @@ def _ops(lines) -> list[tuple[str, int, object]]:
     return out
 
 
-def _wrong_group(task, name, shape, rank, ops, grad_bytes: int) -> None:
+def _issued(task, name, shape, rank, parsed, end, size, recompute) -> None:
+    """CheckFailed unless the step moved data only as the kit and the gradients' sum do: before the kit's loss
+    broadcast, each block's all-reduces (2 a micro-batch, 3 recomputed) and the pipeline's sends and receives;
+    after it, all-reduces. (A step that gathers the weights and computes the whole model on each rank gets
+    the right numbers, and is not the task.)"""
+    from collections import Counter
+
+    m, blocks, stage = size["micro_batches"], size["layers"] // shape[0], cp.coords(rank, shape)["pp"]
+    hops = (stage > 0) + (stage < shape[0] - 1)
+    want = {k: v for k, v in {"all_reduce": (3 if recompute else 2) * blocks * m, "send": hops * m,
+                              "recv": hops * m}.items() if v}
+    before = dict(Counter(op for op, _, _ in parsed[:end]))
+    if end == len(parsed):
+        raise CheckFailed(f"{task} on {name}: rank {rank}'s step did not run kit.pipeline (the kit sends the loss back "
+                          "at its end): the micro-batches go through the stages with kit.pipeline(forward, batches, "
+                          "loss, groups['pp']).")
+    if before != want:
+        raise CheckFailed(f"{task} on {name}: until the pipeline's end rank {rank} issued {before}; its "
+                          f"{blocks} block(s) over {m} micro-batches through kit.pipeline, each block once through "
+                          f"kit.tp_mlp, issue {want}" + (" (recomputed: each block's forward all-reduce twice)"
+                                                        if recompute else "") + ". The step moves data only through "
+                          "the kit and the gradients' all-reduce.")
+    other = sorted({op for op, _, _ in parsed[end + 1:]} - {"all_reduce"})
+    if other:
+        raise CheckFailed(f"{task} on {name}: after the pipeline rank {rank} issued {', '.join(other)}: the step's "
+                          "only collectives there are all-reduces of the gradients and the loss over groups['dp'].")
+
+
+def _wrong_group(task, name, shape, rank, ops, grad_bytes: int, size: dict, recompute: bool) -> None:
     """CheckFailed naming a collective on the wrong axis's group: the tensor-parallel layer's all-reduces
     before the kit's loss broadcast (the end of the pipeline), the gradients' after it (``grad_bytes`` of them)."""
     parsed = _ops(ops)
@@ -160,6 +205,7 @@ def _wrong_group(task, name, shape, rank, ops, grad_bytes: int) -> None:
                 f"{_axis(ranks, rank, shape)} ({ranks}): the ranks that hold the same weights and saw different data "
                 f"are the dp axis's group, {dp}. Over the tp or pp group it adds different shards or stages "
                 "together, and the training still runs, only worse.")
+    _issued(task, name, shape, rank, parsed, end, size, recompute)
     summed = sum(nbytes for _, nbytes, _ in sync)
     if len(dp) > 1 and summed < grad_bytes:
         raise CheckFailed(f"{task} on {name}: after the pipeline rank {rank} all-reduced {summed} bytes over "
@@ -192,7 +238,7 @@ def _why_scaled(k: float, dp: int, m: int) -> str:
     return ""
 
 
-def judge_steps(task, data, seed) -> str:
+def judge_steps(task, data, seed, recompute: bool = False) -> str:
     s = cp.size_for(seed)
     ref = cp.reference(s, seed or 0, STEPS)
     for name, ranks in data.items():
@@ -200,7 +246,7 @@ def judge_steps(task, data, seed) -> str:
         dp = shape[1]
         for rank, got in enumerate(ranks):
             want = [w for b in cp.shard(ref["grads"], rank, shape) for w in b]
-            _wrong_group(task, name, shape, rank, got["ops"], sum(w.numel() * 4 for w in want))
+            _wrong_group(task, name, shape, rank, got["ops"], sum(w.numel() * 4 for w in want), s, recompute)
             grads = [g for b in got["grads"] for g in b]
             if any(g is None for g in grads):
                 raise CheckFailed(f"{task} on {name}: rank {rank} has a gradient None after the step: run every block's "
@@ -252,7 +298,6 @@ def collect_recompute(fns, pool, seed):
 
 def judge_recompute(data, world_size, seed) -> str:
     task, s = "Task 8.3", cp.size_for(seed)
-    judge_steps(task, data["with"], seed)
     shape = cp.MESHES["TP×PP"]
     act = s["rows"] // shape[1] // s["micro_batches"] * s["width"] * 4  # one micro-batch's activations, bytes
     for rank, (got, plain) in enumerate(zip(data["with"]["TP×PP"], data["without"]["TP×PP"])):
@@ -264,6 +309,7 @@ def judge_recompute(data, world_size, seed) -> str:
                               f"for the backward (without it {max(plain['kept'])}); recomputation keeps the stage's "
                               f"input only, {act} bytes: run forward under torch.no_grad(), save its input, and run "
                               "it again with the gradient on in the backward.")
+    judge_steps(task, data["with"], seed, recompute=True)
     return (f": the same loss and gradients, and each stage keeps its input only ({act} bytes a micro-batch, "
             f"against {max(data['without']['TP×PP'][0]['kept'])} without)")
 

@@ -22,6 +22,7 @@ from ..timeline import span
 AXES = ("pp", "dp", "tp")
 MESHES = {"DP×TP": (1, 2, 2), "DP×PP": (2, 2, 1), "TP×PP": (2, 1, 2)}  # (pp, dp, tp) on 4 ranks
 SIZE = dict(width=16, hidden=32, layers=4, rows=16, micro_batches=4)
+BIG = dict(width=256, hidden=1024, layers=8, rows=256, micro_batches=8)  # the measured step
 LR = 0.05
 TOL = 1e-5
 
