@@ -31,6 +31,8 @@ def plan_figure(plans: dict):
     """One panel per model: a point per layout, memory per GPU (GB) against modelled step time (s), those
     that fit filled, the planner's pick a star. ``plans``: {title: (rows, memory limit in bytes)}."""
     fig = make_subplots(rows=1, cols=len(plans), subplot_titles=list(plans), horizontal_spacing=0.07)
+    ticks = [v * 10 ** e for e in range(-1, 5) for v in (1, 2, 5)]
+    shown = set()  # each legend entry once
     for col, (title, (rows, limit)) in enumerate(plans.items(), start=1):
         pick = next((r for r in rows if r["fits"]), None)
         for fits, name, symbol in ((True, "fits", "circle"), (False, "does not fit", "circle-open")):
@@ -39,15 +41,20 @@ def plan_figure(plans: dict):
                 x=[r["total"] for r in pts], y=[r["memory"] / 1e9 for r in pts], mode="markers", name=name,
                 marker=dict(symbol=symbol, size=6, color="#0072B2" if fits else "#999999"),
                 text=[f"{describe(r['layout'])}<br>{r['memory'] / 1e9:.1f} GB, {r['total']:.2f} s" for r in pts],
-                hovertemplate="%{text}<extra></extra>", legendgroup=name, showlegend=col == 1), row=1, col=col)
+                hovertemplate="%{text}<extra></extra>", legendgroup=name, showlegend=bool(pts) and name not in shown),
+                row=1, col=col)
+            shown |= {name} if pts else set()
         if pick:
             fig.add_trace(go.Scatter(x=[pick["total"]], y=[pick["memory"] / 1e9], mode="markers", name="the pick",
                                      marker=dict(symbol="star", size=14, color="#D55E00"),
                                      text=[describe(pick["layout"])], hovertemplate="%{text}<extra></extra>",
-                                     legendgroup="pick", showlegend=col == 1), row=1, col=col)
+                                     legendgroup="pick", showlegend="pick" not in shown), row=1, col=col)
+            shown.add("pick")
         fig.add_hline(y=limit / 1e9, line=dict(dash="dot", color="#D55E00"), row=1, col=col)
-        fig.update_xaxes(title_text="step time, s (modelled)", type="log", row=1, col=col)
-        fig.update_yaxes(title_text="memory per GPU, GB (modelled)" if col == 1 else None, type="log", row=1, col=col)
+        fig.update_xaxes(title_text="step time, s (modelled)", type="log", tickvals=ticks, ticktext=[f"{v:g}" for v in ticks],
+                         row=1, col=col)
+        fig.update_yaxes(title_text="memory per GPU, GB (modelled)" if col == 1 else None, type="log", tickvals=ticks,
+                         ticktext=[f"{v:g}" for v in ticks], row=1, col=col)
     fig.update_layout(height=420, title="Every valid layout: memory per GPU against step time (modelled; dotted: "
                       "the memory a layout may use)", plot_bgcolor="white")
     return fig
