@@ -203,3 +203,23 @@ def test_memory_mistakes_are_named():
         check_memory(memory_states_not_over_cp)
     with pytest.raises(CheckFailed, match=r"your activations are .* min\(pp, micro-batches\)"):
         check_memory(memory_every_micro_batch)
+
+
+def test_the_planners_ranking_of_the_meshes_agrees_differs_or_finds_no_order():
+    planned = {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert cp.ranking({"a": [1, 1.1], "b": [2, 2.1], "c": [3, 3.3]}, planned) == (
+        True, "the planner orders them as the ranks measured: a < b < c")
+    agreed, text = cp.ranking({"a": [2, 2.1], "b": [1, 1.1], "c": [3, 3.3]}, planned)
+    assert agreed is False and "the ranks measured b < a < c" in text
+    agreed, text = cp.ranking({"a": [1, 2.05], "b": [2, 2.1], "c": [3, 3.3]}, planned)
+    assert agreed is None and "a and b are within the noise" in text
+
+
+def test_the_planners_model_of_the_meshes_has_each_axis_terms_where_the_mesh_has_the_axis():
+    terms = {name: cp.modelled(shape, cp.RANKED, 0.1, cp.TOY_LINK) for name, shape in cp.MESHES.items()}
+    assert terms["DP×TP"]["pp"] == terms["DP×TP"]["bubble"] == 0 < terms["DP×TP"]["tp"]
+    assert terms["DP×PP"]["tp"] == 0 < min(terms["DP×PP"]["dp"], terms["DP×PP"]["bubble"], terms["DP×PP"]["pp"])
+    assert terms["TP×PP"]["dp"] == 0 < min(terms["TP×PP"]["tp"], terms["TP×PP"]["bubble"])
+    for t in terms.values():
+        assert t["compute"] == pytest.approx(0.1 / 4)  # one process's work shared by 4 ranks
+        assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))

@@ -229,4 +229,22 @@ def p12_composition(s: Settings) -> list[Row]:
     held = Row("P12", f"activations the first stage holds at most, recomputed against kept, {what}", "MiB",
                peaks[True], peaks[None], "the same step keeping its activations", "< 0.25 x")
     held.met = held.ratio is not None and held.ratio < 0.25
-    return [step, held]
+    return [step, held, p12_ranking(s)]
+
+
+def p12_ranking(s: Settings) -> Row:
+    """Lab 08: the three 2×2 meshes over the stated slow link, measured, against the planner's model of them: the
+    order agrees, every neighbour told apart by its steps' times."""
+    from ..answers import lab08
+    from ..pool import Cluster
+    from ..strategies import compose as cp
+
+    agreed = []
+    with Cluster(4, backend=s.backend, timeout=60, quiet=True) as c:
+        for _ in range(s.reps):
+            verdict, text = cp.ranking(*cp.measure_meshes(c, lab08.train_step, 3))
+            agreed.append(1.0 if verdict else 0.0)
+    row = Row("P12", f"the 2×2 meshes ranked by the planner's model against measured, over {cp.TOY_LINK}",
+              "runs agreeing", agreed, target="the same order, every run", note=f"the last run: {text}")
+    row.met = bool(agreed) and min(agreed) == 1.0
+    return row

@@ -23,6 +23,7 @@ AXES = ("pp", "dp", "tp")
 MESHES = {"DP×TP": (1, 2, 2), "DP×PP": (2, 2, 1), "TP×PP": (2, 1, 2)}  # (pp, dp, tp) on 4 ranks
 SIZE = dict(width=16, hidden=32, layers=4, rows=16, micro_batches=4)
 BIG = dict(width=256, hidden=1024, layers=8, rows=256, micro_batches=8)  # the measured step
+RANKED = dict(width=256, hidden=1024, layers=4, rows=128, micro_batches=4)  # the meshes ranked over TOY_LINK
 LR = 0.05
 TOL = 1e-5
 
@@ -264,3 +265,78 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
                 t.grad = None
     return {"losses": losses, "grads": grads, "ops": ops, "kept": kit.kept[:s["micro_batches"]], "peak": kit.peak,
             "seconds": seconds}
+
+
+# -- the planner's model of these meshes -------------------------------------------------------------------
+TOY_LINK = comm.Link("a slow simulated link", 4e-3, 20e6, "stated: slow enough that the toy meshes' communication "
+                     "outweighs this machine's noise and Gloo's own cost per call")
+
+
+def single_seconds(size: dict, repeats: int = 3) -> float:
+    """One process's forward and backward of the whole model on the whole batch: the median of ``repeats``."""
+    import statistics
+    import time
+
+    blocks = [[t.requires_grad_() for t in b] for b in model(size["width"], size["hidden"], size["layers"])]
+    x, y = batch(size["rows"], size["width"])
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        h = x
+        for b in blocks:
+            h = block(h, *b)
+        F.mse_loss(h, y).backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def modelled(shape, size: dict, compute: float, link) -> dict[str, float]:
+    """The planner's step time (``planner.combine``) for a mesh of sizes ``shape`` over ``link``: ``compute``
+    (one process's seconds on the whole batch) shared out over the ranks; each block's two all-reduces a
+    micro-batch (forward and backward) over tp; a send each way a micro-batch between stages; each gradient
+    tensor's all-reduce over dp, after the pipeline (not overlapped)."""
+    from .planner import combine
+
+    pp, dp, tp = shape
+    m, blocks = size["micro_batches"], size["layers"] // pp
+    act = size["rows"] // dp // m * size["width"] * 4
+    comm_ = {"tp": blocks * 2 * link.seconds("all_reduce", act, tp) if tp > 1 else 0.0,
+             "pp": 2 * link.seconds("send", act, 2) if pp > 1 else 0.0}
+    tensors = [t for b in shard(model(size["width"], size["hidden"], size["layers"]), 0, shape) for t in b]
+    dp_comm = sum(link.seconds("all_reduce", t.numel() * 4, dp) for t in tensors) if dp > 1 else 0.0
+    return combine(m, pp, compute / (dp * m * tp * pp), comm_, dp_comm, hidden=0.0)
+
+
+def ranking(measured: dict[str, list[float]], planned: dict[str, float]) -> tuple[bool | None, str]:
+    """The planner's order of the meshes (``planned``: {mesh: modelled seconds}) against the measured one
+    (``measured``: {mesh: each timed step's seconds}), by median. Two meshes next in the measured order are told
+    apart when the slower one's fastest step is slower than the faster one's slowest. (True, text) when the
+    orders agree and every neighbour is told apart; (False, text) when they differ; (None, text) when a gap is
+    within the noise, so there is no order to check."""
+    import statistics
+
+    order = sorted(measured, key=lambda k: statistics.median(measured[k]))
+    theirs = sorted(planned, key=planned.get)
+    shown = lambda names: " < ".join(names)  # noqa: E731
+    close = [(a, b) for a, b in zip(order, order[1:]) if min(measured[b]) <= max(measured[a])]
+    if close:
+        return None, (f"{' and '.join(f'{a} and {b}' for a, b in close)} are within the noise of each other (their "
+                      "steps' times overlap): no order to check; run it again on a quieter machine")
+    if order != theirs:
+        return False, f"the planner orders them {shown(theirs)}, the ranks measured {shown(order)}"
+    return True, f"the planner orders them as the ranks measured: {shown(order)}"
+
+
+def measure_meshes(cluster, train_step, steps: int | None = None) -> tuple[dict, dict]:
+    """``train_step`` on each 2×2 mesh over ``TOY_LINK`` on the model ``RANKED``: ({mesh: each timed step's
+    seconds, the slowest rank's, after a warm-up}, {mesh: the planner's modelled seconds})."""
+    from ..paths import quick
+
+    steps = steps or (2 if quick() else 3)
+    compute = single_seconds(RANKED)
+    measured, planned = {}, {}
+    for name, shape in MESHES.items():
+        results = cluster.run(step_job, train_step, shape, 0, steps + 1, None, RANKED, TOY_LINK)
+        measured[name] = [max(r["seconds"][k] for r in results) for k in range(1, steps + 1)]
+        planned[name] = modelled(shape, RANKED, compute, TOY_LINK)["total"]
+    return measured, planned

@@ -115,13 +115,19 @@ def step_time(model: Model, layout: Layout, gpu: GPU, cluster: Cluster) -> dict[
     tp_comm = math.ceil(L / pp) * per_layer * links["tp"].seconds("all_reduce", tokens // cp * h * 2, tp)
     kv = tokens // cp * 2 * h * model.kv_heads // model.heads * 2  # K and V of this rank's part, BF16
     cp_comm = math.ceil(L / pp) * 3 * (cp - 1) * links["cp"].seconds("send", kv, 2) if cp > 1 else 0.0
-    micro = compute + tp_comm + cp_comm
-    pipeline = (m + pp - 1) * micro
     grads = model.stage_params(pp) / tp * 2                    # BF16 gradients of this rank's shard
     dp_comm = links["dp"].seconds("all_reduce", grads, dp * cp) if dp * cp > 1 else 0.0
-    exposed = max(0.0, dp_comm - compute * 2 / 3)
-    return {"compute": m * compute, "tp": m * tp_comm, "cp": m * cp_comm, "bubble": (pp - 1) * micro,
-            "dp": exposed, "total": pipeline + exposed}
+    return combine(m, pp, compute, {"tp": tp_comm, "cp": cp_comm}, dp_comm, hidden=compute * 2 / 3)
+
+
+def combine(m: int, pp: int, compute: float, comm: dict[str, float], dp_comm: float, hidden: float) -> dict[str, float]:
+    """A step's terms under 1F1B: ``m`` micro-batches through ``pp`` stages, each costing ``compute`` seconds and
+    the exposed communication ``comm`` ({axis: seconds}) a stage, so (m + pp - 1) micro-batch times; then the
+    data-parallel reduction ``dp_comm``, less the ``hidden`` seconds of it that overlap the backward."""
+    micro = compute + sum(comm.values())
+    exposed = max(0.0, dp_comm - hidden)
+    return {"compute": m * compute, **{k: m * v for k, v in comm.items()}, "bubble": (pp - 1) * micro,
+            "dp": exposed, "total": (m + pp - 1) * micro + exposed}
 
 
 def layouts(model: Model, cluster: Cluster, seq: int, global_tokens: int):
