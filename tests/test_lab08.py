@@ -223,3 +223,15 @@ def test_the_planners_model_of_the_meshes_has_each_axis_terms_where_the_mesh_has
     for t in terms.values():
         assert t["compute"] == pytest.approx(0.1 / 4)  # one process's work shared by 4 ranks
         assert t["total"] == pytest.approx(sum(v for k, v in t.items() if k != "total"))
+
+
+def test_the_planners_timeline_runs_1f1b_with_its_modelled_step():
+    shape = cp.MESHES["TP×PP"]
+    timeline = view.modelled_timeline(shape, cp.RANKED, 0.1, cp.TOY_LINK)
+    terms = cp.modelled(shape, cp.RANKED, 0.1, cp.TOY_LINK)
+    assert timeline.duration == pytest.approx(terms["total"])
+    m = cp.RANKED["micro_batches"]
+    for rank in range(4):
+        names = [s.name for s in timeline.spans if s.rank == rank]
+        assert sorted(names) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
+    assert [s.name for s in timeline.spans if s.rank == 0][:2] == ["F0", "F1"]  # stage 0 warms up with p = 2

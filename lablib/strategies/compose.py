@@ -327,9 +327,10 @@ def ranking(measured: dict[str, list[float]], planned: dict[str, float]) -> tupl
     return True, f"the planner orders them as the ranks measured: {shown(order)}"
 
 
-def measure_meshes(cluster, train_step, steps: int | None = None) -> tuple[dict, dict]:
-    """``train_step`` on each 2×2 mesh over ``TOY_LINK`` on the model ``RANKED``: ({mesh: each timed step's
-    seconds, the slowest rank's, after a warm-up}, {mesh: the planner's modelled seconds})."""
+def measure_meshes(cluster, train_step, steps: int | None = None) -> tuple[dict, dict, float]:
+    """``train_step`` on each 2×2 mesh over ``TOY_LINK`` on the model ``RANKED``, the last mesh's last step left
+    on the cluster's timeline: ({mesh: each timed step's seconds, the slowest rank's, after a warm-up},
+    {mesh: the planner's modelled seconds}, one process's measured seconds that the model shares out)."""
     from ..paths import quick
 
     steps = steps or (2 if quick() else 3)
@@ -339,4 +340,4 @@ def measure_meshes(cluster, train_step, steps: int | None = None) -> tuple[dict,
         results = cluster.run(step_job, train_step, shape, 0, steps + 1, None, RANKED, TOY_LINK)
         measured[name] = [max(r["seconds"][k] for r in results) for k in range(1, steps + 1)]
         planned[name] = modelled(shape, RANKED, compute, TOY_LINK)["total"]
-    return measured, planned
+    return measured, planned, compute

@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 
 from ..strategies import compose as cp
 from ..strategies.planner import describe
-from ..timeline import Timeline
+from ..timeline import Span, Timeline
 from .timeline import OPS
 
 
@@ -25,6 +25,30 @@ def by_axis(timeline, shape):
                 s = dataclasses.replace(s, name=f"{axis} {s.name}", meta={**s.meta, "op": f"{axis}_{op}"})
         spans.append(s)
     return Timeline(spans, timeline.world_size, timeline.clock_error, timeline.title)
+
+
+def modelled_timeline(shape, size: dict, compute: float, link) -> Timeline:
+    """The planner's step (``compose.modelled``) drawn as a timeline: each stage's forwards and backwards where
+    lab 05's simulator puts them under 1F1B, each lasting its share of the compute and of the all-reduces and
+    sends of a micro-batch (a forward a third of the compute), then the gradients' all-reduce; modelled."""
+    from ..checks import answers
+    from ..strategies.schedules import simulate
+
+    terms, m, pp = cp.modelled(shape, size, compute, link), size["micro_batches"], shape[0]
+    comm = (terms["tp"] + terms["pp"]) / m / 2                  # a micro-batch's, half in each direction
+    times = {"F": terms["compute"] / m / 3 + comm, "BW": terms["compute"] / m * 2 / 3 + comm}
+    runs = simulate(answers("lab05").one_f_one_b(pp, m), times)
+    spans = []
+    for rank in range(4):
+        stage = cp.coords(rank, shape)["pp"]
+        for a, t0, t1 in runs[stage]:
+            spans.append(Span(rank, f"{a.kind}{a.mb}", "compute", t0, t1,
+                              meta={"op": "forward" if a.kind == "F" else "backward", "label": f"{a.kind}{a.mb}"}))
+        end = max(t1 for run in runs for _, _, t1 in run)
+        if terms["dp"]:
+            spans.append(Span(rank, "dp all_reduce (modelled)", "comm", end, end + terms["dp"],
+                              meta={"op": "dp_all_reduce"}))
+    return Timeline(spans, 4, title="modelled")
 
 
 def plan_figure(plans: dict):
