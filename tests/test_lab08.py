@@ -146,12 +146,11 @@ def make_step(tp="tp", sync="dp", pp="pp", loss_div="m*dp", average=False, loss_
     (make_step(sync=None), r"all-reduced 4 bytes over groups\['dp'\] \(\[0, 2\]\), and its gradients are \d+ bytes"),
     (make_step(loss_div="m"), "That is the data-parallel degree"),
     (make_step(loss_div="dp"), "That is the number of micro-batches"),
-    (make_step(loss_div="none"), r"That is dp × micro-batches"),
     (make_step(average=True), "That is 1 / the data-parallel degree"),
     (make_step(loss_sum=False), "the global batch's is the sum over the dp ranks too"),
     (make_step(pp="dp"), "the pipeline's stages talk over the pp axis"),
 ], ids=["tp-on-dp", "tp-on-world", "sync-on-tp", "sync-on-world", "no-sync", "loss-not-over-dp",
-        "loss-not-over-m", "loss-unscaled", "divided-twice", "loss-not-summed", "pipeline-on-dp"])
+        "loss-not-over-m", "divided-twice", "loss-not-summed", "pipeline-on-dp"])
 def test_step_mistakes_are_named(four, step, message):
     with pytest.raises(CheckFailed, match=message):
         check_step(step, four)

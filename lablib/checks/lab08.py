@@ -1,6 +1,6 @@
 """Lab 08 (putting it together): Task 8.1 (a mesh's process groups, against ``init_device_mesh``'s), 8.2
-(one training step with data, tensor and pipeline parallelism at once, on each 2×2 mesh of 4 ranks) and 8.3
-(activation recomputation in its stages). A step is judged against one process on the whole batch: its loss
+(one training step with data, tensor and pipeline parallelism at once, on each 2×2 mesh of 4 ranks), 8.3
+(activation recomputation in its stages) and 8.4 (a layout's memory per GPU, in this process). A step is judged against one process on the whole batch: its loss
 and every gradient after the first step, and an 8-step run's losses; a difference is named from what the
 ranks did, the axis whose group a collective used or the factor by which the gradients were scaled."""
 from __future__ import annotations
@@ -10,10 +10,8 @@ import torch
 from ..strategies import compose as cp
 from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks, whose
 
-MESH_ONLY = {"init_device_mesh": "the check compares your groups with init_device_mesh's: make them with "
-                                 "dist.new_group", "~DeviceMesh": "the check compares your groups with "
-                                 "init_device_mesh's: make them with dist.new_group",
-             "~device_mesh": "the check compares your groups with init_device_mesh's: make them with dist.new_group"}
+_MESH = "the check compares your groups with init_device_mesh's: make them with dist.new_group"
+MESH_ONLY = {"init_device_mesh": _MESH, "~DeviceMesh": _MESH, "~device_mesh": _MESH}
 FORBIDDEN = {
     "dist.*": "the step moves data through lablib's traced collectives (lablib.all_reduce, ...) and the kit, so the "
               "check and the timeline see them; of torch.distributed it may ask get_rank, get_world_size, "
@@ -56,6 +54,7 @@ def mesh_job(fn, cases) -> list:
         want = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in names}
         if not isinstance(got, dict):
             out.append({"error": f"returned {type(got).__name__}, expected a dict {{name: process group}}"})
+            _destroy([mesh.get_group(n) for n in names])
             continue
         mine = {}
         for name, group in got.items():
