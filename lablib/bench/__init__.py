@@ -4,7 +4,7 @@
 
 Per claim: the course's number and its anchor's, measured in the same run, their ratio, median and
 min-max over repetitions, and the target. ``--quick`` (about a minute on 2 cores) leaves out the
-whole-course runs (P2, P8); the full run takes about 8 minutes. With a GPU per rank it measures NCCL.
+whole-course runs (P2, P8); the full run takes about 10 minutes. With a GPU per rank it measures NCCL.
 
 The items live by what they measure: pool.py (P1, P7, F), labs.py (P3-P6, P9-P12), course.py (P2, P8);
 table.py prints and writes the table, rows.py holds what they share.
