@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     grd.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT,
                      help=f"seconds for one check (default {CHECK_TIMEOUT:g})")
     grd.add_argument("--time-limit", type=float, default=TIME_LIMIT,
-                     help=f"seconds for one learner, every lab (default {TIME_LIMIT:g})")
+                     help=f"seconds for one learner's box: their labs, or a lab that builds on earlier labs' answers "
+                          f"(default {TIME_LIMIT:g})")
     grd.add_argument("--jobs", type=int, default=1, help="learners graded at once, each in its own box (default 1; "
                                                          "2 or more overlaps what a learner's checks wait for)")
     grd.add_argument("--shard", metavar="K/N", help="grade every N-th learner from the K-th only (an array job "
