@@ -207,18 +207,17 @@ def p11_experts(s: Settings) -> list[Row]:
 def p12_composition(s: Settings) -> list[Row]:
     """Lab 08: the composed step on the TP×PP mesh (lab 08's solution), its stages recomputing their activations
     against keeping them, interleaved: the step's time and the activations the first stage holds at most."""
-    from statistics import median
-
     from ..answers import lab08
     from ..pool import Cluster
     from ..strategies import compose as cp
+    from ..strategies.prefetch import step_seconds
 
     shape, times, peaks = cp.MESHES["TP×PP"], {None: [], True: []}, {None: [], True: []}
     with Cluster(4, backend=s.backend, timeout=60, quiet=True) as c:
         for _ in range(s.reps):
             for wrap in (None, True):
                 results = c.run(cp.step_job, lab08.train_step, shape, 0, 4, wrap and lab08.checkpointed, cp.BIG)
-                times[wrap].append(median(max(r["seconds"][k] for r in results) for k in range(4)) * 1e3)
+                times[wrap].append(step_seconds(results) * 1e3)
                 peaks[wrap].append(results[0]["peak"] / 2**20)
     what = (f"TP×PP on 4 ranks, {cp.BIG['layers']} blocks of {cp.BIG['width']} (hidden {cp.BIG['hidden']}), "
             f"{cp.BIG['rows']} rows in {cp.BIG['micro_batches']} micro-batches")
