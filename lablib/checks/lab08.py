@@ -133,6 +133,8 @@ STEP_HINTS = (
     ("'NoneType' object", "a gradient is None: every block's tensors take part in the forward (kit.blocks, "
                           "each [w1, b1, w2, b2] for kit.tp_mlp), and the loss function returns a tensor."),
     ("Expected all tensors to be on the same device", "make new tensors with device=x.device."),
+    ("grad can be implicitly created only for scalar outputs", "the loss function returns one number a micro-batch, "
+                                                               "its share of the global batch's mean: a 0-dim tensor."),
 )
 
 
