@@ -234,3 +234,11 @@ def test_the_planners_timeline_runs_1f1b_with_its_modelled_step():
         names = [s.name for s in timeline.spans if s.rank == rank]
         assert sorted(names) == sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
     assert [s.name for s in timeline.spans if s.rank == 0][:2] == ["F0", "F1"]  # stage 0 warms up with p = 2
+
+
+def test_the_planners_memory_terms_for_this_model_are_what_each_meshs_first_stage_holds(four):
+    for shape in cp.MESHES.values():
+        got = four.run(cp.step_job, A.train_step, shape, 0, 1, None, cp.BIG)[0]  # rank 0: the first stage
+        want = cp.modelled_memory(shape, cp.BIG)
+        assert abs(got["states"] - want["states"]) <= 0.1 * want["states"]
+        assert abs(got["peak"] - want["activations"]) <= 0.1 * want["activations"], shape

@@ -232,12 +232,14 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
     micro_batches)`` on the global batches, SGD between them, the last on the timeline; ``link``: collectives
     over a simulated link. Returns each step's loss as the step returned
     it, the first step's gradients of this rank's shards, the collectives it issued ("op bytes on ranks"),
-    the bytes each micro-batch's forward kept and the most held at once, and each step's seconds."""
+    the bytes each micro-batch's forward kept and the most held at once, the bytes of weights and gradients the
+    rank held after the first step, and each step's seconds."""
     import time
 
     import torch.distributed as dist
 
     from ..comm import to_device, watched
+    from ..memory import storage_bytes
     from .prefetch import start_recording
 
     rank, s = dist.get_rank(), size or size_for(seed)
@@ -246,7 +248,7 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
     blocks = [[t.clone().requires_grad_() for t in flat[i:i + 4]] for i in range(0, len(flat), 4)]
     stage = [r for r in range(math.prod(shape)) if coords(r, shape)["pp"] == coords(rank, shape)["pp"]]
     kit = Kit(blocks, axis_ranks(rank, shape, "pp"), stage, checkpointed)
-    losses, grads, ops, seconds = [], None, None, []
+    losses, grads, ops, seconds, states = [], None, None, [], 0
     for step in range(steps):
         x, y = to_device(*batch(s["rows"], s["width"], step, seed))
         start_recording() if step == steps - 1 else dist.barrier()  # the timeline holds the last step
@@ -258,16 +260,30 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
         losses.append(loss.detach().item() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss)
         if grads is None:
             grads, ops = [[None if t.grad is None else t.grad.detach().clone() for t in b] for b in kit.blocks], done
+            states = sum(storage_bytes([("params", t) for t in kit.params()] +
+                                       [("grads", t.grad) for t in kit.params()]).values())
         with torch.no_grad():
             for t in kit.params():
                 if t.grad is not None:
                     t -= LR * t.grad
                 t.grad = None
     return {"losses": losses, "grads": grads, "ops": ops, "kept": kit.kept[:s["micro_batches"]], "peak": kit.peak,
-            "seconds": seconds}
+            "states": states, "seconds": seconds}
 
 
 # -- the planner's model of these meshes -------------------------------------------------------------------
+def modelled_memory(shape, size: dict) -> dict[str, int]:
+    """Task 8.4's terms for this model on a mesh's first stage, in fp32 with SGD: states 4 + 4 bytes a parameter
+    of the stage's shard (weights, gradients); activations min(pp, m) micro-batches × the stage's blocks × what a
+    block keeps a micro-batch: its input (rows × width) and its hidden before and after GELU, split over tp
+    (2 × rows × hidden / tp), 4 bytes each."""
+    pp, dp, tp = shape
+    m = size["micro_batches"]
+    psi = sum(t.numel() for b in shard(model(size["width"], size["hidden"], size["layers"]), 0, shape) for t in b)
+    per_block = size["rows"] // dp // m * (size["width"] + 2 * size["hidden"] // tp) * 4
+    return {"states": 8 * psi, "activations": min(pp, m) * (size["layers"] // pp) * per_block}
+
+
 TOY_LINK = comm.Link("a slow simulated link", 4e-3, 20e6, "stated: slow enough that the toy meshes' communication "
                      "outweighs this machine's noise and Gloo's own cost per call")
 
