@@ -276,7 +276,8 @@ def modelled_memory(shape, size: dict) -> dict[str, int]:
     """Task 8.4's terms for this model on a mesh's first stage, in fp32 with SGD: states 4 + 4 bytes a parameter
     of the stage's shard (weights, gradients); activations min(pp, m) micro-batches × the stage's blocks × what a
     block keeps a micro-batch: its input (rows × width) and its hidden before and after GELU, split over tp
-    (2 × rows × hidden / tp), 4 bytes each."""
+    (2 × rows × hidden / tp), 4 bytes each. A first stage that is also the last keeps the loss's output and
+    targets too, uncounted: 5% more on DP×TP."""
     pp, dp, tp = shape
     m = size["micro_batches"]
     psi = sum(t.numel() for b in shard(model(size["width"], size["hidden"], size["layers"]), 0, shape) for t in b)
