@@ -242,3 +242,8 @@ def test_the_planners_memory_terms_for_this_model_are_what_each_meshs_first_stag
         want = cp.modelled_memory(shape, cp.BIG)
         assert abs(got["states"] - want["states"]) <= 0.1 * want["states"]
         assert abs(got["peak"] - want["activations"]) <= 0.1 * want["activations"], shape
+
+
+def test_interleaving_divides_the_bubble_only():
+    terms = {"compute": 4.0, "tp": 1.0, "cp": 0.0, "bubble": 3.0, "dp": 0.5, "total": 8.5}
+    assert planner.interleaved(terms, 2) == {**terms, "bubble": 1.5, "total": 7.0}

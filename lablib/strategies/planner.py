@@ -130,6 +130,12 @@ def combine(m: int, pp: int, compute: float, comm: dict[str, float], dp_comm: fl
             "dp": exposed, "total": (m + pp - 1) * micro + exposed}
 
 
+def interleaved(terms: dict[str, float], v: int) -> dict[str, float]:
+    """``terms`` of a 1F1B step with ``v`` stages a rank instead (lab 05's interleaved 1F1B): the bubble over v."""
+    bubble = terms["bubble"] / v
+    return {**terms, "bubble": bubble, "total": terms["total"] - terms["bubble"] + bubble}
+
+
 def layouts(model: Model, cluster: Cluster, seq: int, global_tokens: int):
     """Every valid layout: powers of two; TP within a node and dividing the heads (and K/V heads); a
     whole number of sequences per data-parallel rank (micro-batches of one sequence); each with and
