@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lablib.quiz import bank
+from lablib.quiz import arith, bank
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = ROOT / "quizzes" / "seeds"
@@ -109,6 +109,8 @@ questions:
   - id: n1
     type: numeric
     tags: [x]
+    given: {{a: 1, b: 2}}
+    key: a + b
     text: {{en: How many, ms: Berapa}}
     answer: 3
     tolerance: 0.5
@@ -200,7 +202,7 @@ def test_numeric_hints_may_hold_other_numbers(tmp_path):
 
 def _keyless(text):
     text = text.replace("level: easy", "mode: exam\nlevel: easy")
-    for line in ("    answer: a\n", "    answer: 3\n", "    tolerance: 0.5\n", "    explanation: {en: Because., ms: Kerana.}\n",
+    for line in ("    answer: a\n", "    answer: 3\n", "    key: a + b\n", "    tolerance: 0.5\n", "    explanation: {en: Because., ms: Kerana.}\n",
                  "    explanation: {en: Three., ms: Tiga.}\n", "    hint: {en: Think., ms: Fikir.}\n",
                  "    hint: {en: Count them., ms: Kira.}\n"):
         text = text.replace(line, "")
@@ -245,6 +247,82 @@ def test_quiz_check_names_a_missing_hint_and_accepts_an_exam_bank(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(exam)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "keyless.yaml: 2 questions (numeric, single) in en, ms; exam copy, no answer key" in ok.stdout
+
+
+def test_every_numeric_key_is_its_own_arithmetic(banks):
+    """Each numeric question of every bank keeps its key as an expression of its inputs, and the typed
+    answer is that expression's value at the answer's decimals (the bank refuses to load otherwise)."""
+    import yaml
+
+    numeric = 0
+    for path in sorted((ROOT / "quizzes").glob("*.yaml")):
+        for raw in yaml.safe_load(path.read_text(encoding="utf-8"))["questions"]:
+            if raw.get("type") != "numeric":
+                continue
+            numeric += 1
+            value = arith.evaluate(raw["key"], raw["given"])
+            assert round(value, arith.decimals(raw["answer"])) == pytest.approx(raw["answer"]), (path.name, raw["id"])
+            question = next(q for q in banks[path.stem].questions if q.id == raw["id"])
+            assert question.is_correct(value), (path.name, raw["id"])  # the exact value is inside the tolerance
+            assert "{" not in question.explanation["en"] + question.text["en"], (path.name, raw["id"])
+    assert numeric >= 30
+
+
+def test_the_dispatch_bytes_key_is_what_its_explanation_computes(banks):
+    q = next(q for q in banks["experts"].questions if q.id == "dispatch-bytes")
+    assert q.answer == pytest.approx(4096 * 2 * 4096 * 2 * 7 / 8 / 1e6, abs=0.005)  # 58.72 MB
+    assert q.is_correct(58.72) and not q.is_correct(117.44)  # the old key, twice the bytes
+    assert "= 67.1 MB" in q.explanation["en"] and "58.72 MB" in q.explanation["en"]
+
+
+def test_tp_ratio_explanation_quotes_lab04s_cost_model(banks):
+    """The explanation of tensor/tp-ratio quotes lab 04's chart, which a bank cannot compute: held here."""
+    from lablib.views.tensor_parallel import per_layer
+
+    ratio = {n: per_layer(8192, n, "InfiniBand")["comm"] / per_layer(8192, n, "InfiniBand")["compute"] for n in (4, 16)}
+    text = next(q for q in banks["tensor"].questions if q.id == "tp-ratio").explanation["en"]
+    assert (f"about {ratio[4]:.2f} at TP 4, about {ratio[16]:.2f} at TP 16, {ratio[16] / ratio[4]:.1f} times"
+            in text), text
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.replace("    answer: 3\n", "    answer: 4\n").replace("tolerance: 0.5", "tolerance: 1"),
+     r"question n1: field 'answer': 4, but the key a \+ b is 3 \(3 at the answer's 0 decimals\): correct the "
+     r"answer, the key or its inputs"),
+    (lambda s: s.replace("    key: a + b\n", ""), r"question n1: field 'key' missing: a numeric answer is computed"),
+    (lambda s: s.replace("key: a + b", "key: a + c"), r"question n1: field 'key': 'a \+ c': unknown name 'c' \(the inputs in "
+                                                      r"'given': a, b\)"),
+    (lambda s: s.replace("key: a + b", "key: __import__('os')"), r"question n1: field 'key': .* is not allowed"),
+    (lambda s: s.replace("    given: {a: 1, b: 2}\n", ""), r"question n1: field 'key': an expression needs its inputs"),
+    (lambda s: s.replace("given: {a: 1, b: 2}", "given: {a: one, b: 2}"), r"question n1: field 'given': must map names"),
+    (lambda s: s.replace("{en: Three., ms: Tiga.}", "{en: 'Three: {a + d}.', ms: Tiga.}"),
+     r"question n1: field 'explanation': a figure cannot be computed: 'a \+ d': unknown name 'd'"),
+    (lambda s: s.replace("{en: How many, ms: Berapa}", "{en: 'How many {a', ms: Berapa}"),
+     r"question n1: field 'text': a figure cannot be computed: a lone"),
+    (lambda s: s.replace("{en: Count them., ms: Kira.}", "{en: 'Count {a}+{b}={a + b}.', ms: Kira.}"),
+     r"question n1: field 'hint': the en hint states the answer \(3\)"),
+])
+def test_a_key_that_disagrees_with_its_arithmetic_is_named(tmp_path, edit, message):
+    path = _write(tmp_path, edit(GOOD.format(id="broken")))
+    with pytest.raises(bank.QuizError) as info:
+        bank.load(path)
+    assert re.search(message, str(info.value)), str(info.value)
+
+
+def test_texts_compute_their_figures_from_the_inputs(tmp_path):
+    text = (GOOD.format(id="good").replace("{en: How many, ms: Berapa}", "{en: 'How many is {a} + {b:.1f}?', ms: Berapa}")
+            .replace("{en: Three., ms: Tiga.}", "{en: 'It is {key}, {{not}} {a * 1000:,}.', ms: 'Tiga {key:g}.'}"))
+    n1 = bank.load(_write(tmp_path, text, "good")).questions[1]
+    assert n1.text["en"] == "How many is 1 + 2.0?" and n1.answer == 3
+    assert n1.explanation == {"en": "It is 3, {not} 1,000.", "ms": "Tiga 3."}
+
+
+def test_an_exam_copy_keeps_the_inputs_and_drops_the_key(tmp_path):
+    text = GOOD.format(id="exam").replace("{en: How many, ms: Berapa}", "{en: 'How many is {a} + {b}?', ms: Berapa}")
+    n1 = bank.load(_write(tmp_path, _keyless(text), "exam")).questions[1]
+    assert n1.text["en"] == "How many is 1 + 2?" and not n1.keyed
+    with pytest.raises(bank.QuizError, match=r"question n1: field 'key': an exam bank \(mode: exam\) carries no answer"):
+        bank.load(_write(tmp_path, _keyless(text).replace("    given:", "    key: a + b\n    given:"), "exam"))
 
 
 def test_every_hint_keeps_the_answer_to_itself(banks):

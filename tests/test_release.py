@@ -40,7 +40,7 @@ def test_an_exam_release_writes_keyless_banks_beside_the_learner_copies(tmp_path
     for path in (ROOT / "quizzes").glob("*.yaml"):
         text = (tmp_path / "quizzes" / path.name).read_text(encoding="utf-8")
         assert "\nmode: exam\n" in text
-        assert not any(f"  {key}:" in text for key in ("answer", "tolerance", "explanation", "hint")), path.name
+        assert not any(f"  {key}:" in text for key in ("answer", "key", "tolerance", "explanation", "hint")), path.name
     for path in SOURCES:  # the notebooks are the practice ones
         assert (tmp_path / "labs" / path.name).read_text() == (ROOT / "labs" / path.name).read_text()
     check = subprocess.run([sys.executable, "-m", "lablib", "quiz", "check", str(tmp_path / "quizzes")],

@@ -8,6 +8,11 @@ for ``type: single``, the default, one or more for ``type: multiple``) or, for `
 number ``answer`` with a ``tolerance`` and an optional ``unit``. Texts are maps from language code to
 text; a quiz in English only may use plain strings.
 
+A numeric question's key is computed, not only typed: it names its inputs (``given``) and the key as an
+expression of them (``key``), its texts write their figures as ``{expression}`` of the same inputs, and
+the typed ``answer`` must be the key's value at the answer's own decimals (arith.py). Any question may
+have ``given``, for its texts' figures.
+
 The bank's letters name its own order. Learners see each question's choices in an order of its own
 (``Question.order``: shuffled, the same on every run and in every language), lettered a), b), ... as
 shown; answers are saved and graded as indices into the bank's order, never as shown positions. So an
@@ -25,6 +30,7 @@ import os
 import re
 from pathlib import Path
 
+from .arith import ArithError, decimals, evaluate, render
 from .model import (KEY_FIELDS, LANGUAGES, LETTERS, LEVELS, MODES, RTL, TYPES, Question, Quiz, QuizError,  # noqa: F401
                     _HINT_NEEDED)
 
@@ -127,8 +133,9 @@ class _Validator:
         return Quiz(qid, self.path, title, level, description, lab, tuple(langs), tuple(questions), related,
                     self.mode)
 
-    def text(self, value, where) -> dict:
-        """A {lang: text} map with every quiz language; a plain string counts as English."""
+    def text(self, value, where, names=None) -> dict:
+        """A {lang: text} map with every quiz language; a plain string counts as English. With ``names`` (a
+        question's inputs), each text's ``{expression}`` figures are computed from them."""
         if isinstance(value, str) and value.strip():
             value = {"en": value}
         if not isinstance(value, dict):
@@ -141,7 +148,14 @@ class _Validator:
         for lang in self.langs:
             if not (isinstance(value.get(lang), str) and value[lang].strip()):
                 self.err(where, f"missing language {lang!r}")
-        return {lang: str(value.get(lang, "")).strip() for lang in self.langs}
+        texts = {lang: str(value.get(lang, "")).strip() for lang in self.langs}
+        if names is None:
+            return texts
+        try:
+            return {lang: render(text, names) for lang, text in texts.items()}
+        except ArithError as e:
+            self.err(where, f"a figure cannot be computed: {e}")
+            return texts
 
     def question(self, q, i, quiz_id, quiz_lab, seen) -> Question | None:
         if not isinstance(q, dict):
@@ -163,7 +177,8 @@ class _Validator:
         if qtype not in TYPES:
             self.err(where, f"field 'type': {qtype!r} is not one of {', '.join(TYPES)}")
             return None
-        text = self.text(q.get("text"), f"{where}: field 'text'")
+        self.names = self.given(q, where)
+        text = self.text(q.get("text"), f"{where}: field 'text'", self.names)
         tags = q.get("tags", [])
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             self.err(where, "field 'tags': must be a list of words")
@@ -172,12 +187,44 @@ class _Validator:
         common = dict(quiz=quiz_id, id=qid, type=qtype, text=text, tags=tuple(tags), lab=lab)
         if exam:
             return self.keyless(q, where, common)
-        common["explanation"] = self.text(q.get("explanation"), f"{where}: field 'explanation'")
         if "hint" in q:
-            common["hint"] = self.text(q.get("hint"), f"{where}: field 'hint'")
+            common["hint"] = self.text(q.get("hint"), f"{where}: field 'hint'", self.names)
         if qtype == "numeric":
             return self.numeric(q, where, common)
+        common["explanation"] = self.text(q.get("explanation"), f"{where}: field 'explanation'", self.names)
         return self.choice(q, where, qtype, common)
+
+    def given(self, q, where) -> dict | None:
+        """The question's inputs, {name: number}, or None when it names none."""
+        given = q.get("given")
+        if given is None:
+            if "key" in q and self.mode != "exam":
+                self.err(where, "field 'key': an expression needs its inputs in 'given', e.g. given: {tokens: 4096}")
+            return None
+        if not isinstance(given, dict) or not all(isinstance(k, str) and k.isidentifier() and k != "key" and _is_number(v)
+                                                  for k, v in given.items()):
+            self.err(where, "field 'given': must map names (not 'key') to numbers, e.g. given: {tokens: 4096, k: 2}")
+            return None
+        return dict(given)
+
+    def key(self, q, where, answer) -> dict | None:
+        """The names the explanation may use (the inputs and ``key``), once the key is computed and the typed
+        answer agrees with it; None (the problem reported) otherwise."""
+        if "key" not in q:
+            self.err(where, "field 'key' missing: a numeric answer is computed from its inputs, e.g. given: {tokens: "
+                            "4096, k: 2} and key: tokens * k / 8, and the explanation's figures from the same inputs")
+            return None
+        try:
+            value = evaluate(q["key"], self.names or {})
+        except ArithError as e:
+            self.err(where, f"field 'key': {e}")
+            return None
+        places = decimals(answer)
+        if abs(round(value, places) - answer) > 1e-9 * max(1.0, abs(answer)):
+            self.err(where, f"field 'answer': {answer:g}, but the key {q['key']} is {value:.6g} ({round(value, places):.{places}f} "
+                            f"at the answer's {places} decimals): correct the answer, the key or its inputs")
+            return None
+        return {**(self.names or {}), "key": value}
 
     def keyless(self, q, where, common) -> Question | None:
         """A question of an exam copy: everything but the key, which must not be there."""
@@ -194,7 +241,7 @@ class _Validator:
         if not isinstance(choices, list) or len(choices) < 2:
             self.err(where, "field 'choices': needs a list of at least 2 choices")
             return None
-        texts = tuple(self.text(c, f"{where}: choice {LETTERS[j]}") for j, c in enumerate(choices[:26]))
+        texts = tuple(self.text(c, f"{where}: choice {LETTERS[j]}", self.names) for j, c in enumerate(choices[:26]))
         return Question(**common, explanation={}, choices=texts)
 
     def numeric(self, q, where, common) -> Question | None:
@@ -213,7 +260,9 @@ class _Validator:
         elif not _is_number(tolerance) or tolerance < 0:
             self.err(where, f"field 'tolerance': must be a number >= 0, got {tolerance!r}")
             ok = False
-        if not ok:
+        names = self.key(q, where, float(answer)) if ok else None
+        common["explanation"] = self.text(q.get("explanation"), f"{where}: field 'explanation'", names or self.names)
+        if not ok or names is None:
             return None
         shown = _number_in(common.get("hint", {}), float(answer))
         if shown:
@@ -229,7 +278,7 @@ class _Validator:
         if len(choices) < 2:
             self.err(where, f"field 'choices': needs at least 2 choices, got {len(choices)}")
             return None
-        texts = tuple(self.text(c, f"{where}: choice {LETTERS[j]}") for j, c in enumerate(choices[:26]))
+        texts = tuple(self.text(c, f"{where}: choice {LETTERS[j]}", self.names) for j, c in enumerate(choices[:26]))
         for key in ("explanation", "hint"):
             lang, letter = _letter_in(common.get(key, {}), len(texts))
             if letter:

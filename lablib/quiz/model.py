@@ -25,7 +25,7 @@ TYPES = ("single", "multiple", "numeric")
 MODES = ("practice", "exam")
 
 
-KEY_FIELDS = ("answer", "tolerance", "explanation", "hint")  # what an exam copy leaves out
+KEY_FIELDS = ("answer", "key", "tolerance", "explanation", "hint")  # what an exam copy leaves out
 
 
 LETTERS = string.ascii_lowercase
