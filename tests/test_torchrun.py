@@ -23,9 +23,11 @@ def _port() -> int:
 
 
 def _start(args, log: Path):
+    """torchrun in the log's folder (a test's tmp_path): lablib.run writes lablib-LAB-trace.json into its working
+    folder when not told where, and a launch in the repository's root once left eight of them there."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
-        return subprocess.Popen(TORCHRUN + args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+        return subprocess.Popen(TORCHRUN + args, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
 
@@ -97,25 +99,26 @@ def test_a_node_that_never_joins_fails_within_the_join_timeout(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_an_unknown_lab_lists_the_labs_and_torchrun_is_required():
-    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipelines"], cwd=ROOT, capture_output=True, text=True,
+def test_an_unknown_lab_lists_the_labs_and_torchrun_is_required(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipelines"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "no lab 'pipelines'" in out.stderr
     for name in ("welcome", "sharding", "collectives", "prefetch", "tensor", "pipeline"):
         assert name in out.stderr
-    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipeline"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipeline"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert out.returncode == 2 and "start it with torchrun" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipeline", "tensor", "--notebook", "x.ipynb"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "lablib.run", "pipeline", "tensor", "--notebook", "x.ipynb"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
     assert out.returncode == 2 and "--notebook is one lab's notebook" in out.stderr
 
 
 def test_a_learners_unfinished_notebook_fails_its_checks(tmp_path):
     proc = _start(["--nproc-per-node", "2", "-m", "lablib.run", "pipeline", "--notebook",
-                   str(ROOT / "labs" / "05_pipeline_bubbles.ipynb"), "--trace", str(tmp_path / "t.json")],
-                  tmp_path / "log")
+                   str(ROOT / "labs" / "05_pipeline_bubbles.ipynb")], tmp_path / "log")
     codes = _finish([proc], 300)
     out = (tmp_path / "log").read_text()
     assert codes == [1], out[-2000:]
     assert out.count("is not done yet") == 4 and "0 check(s) passed, 4 failed" in out
+    # without --trace the trace goes to the working folder (here the test's own, never the repository's root)
+    assert Timeline.load(tmp_path / "lablib-05_pipeline_bubbles-trace.json").world_size == 2
