@@ -63,13 +63,14 @@ class RankPool:
     def run(self, fn, *args, **kwargs):
         import torch.distributed as dist
 
-        from .pool import RankError
+        from .pool import RankError, groups
         from .pool import protocol as P
         from .pool.failures import failure_message
         from .pool.worker import describe
         from .timeline import RECORDER
 
         dist.barrier()
+        groups.job_started()
         self.origin_ns = time.perf_counter_ns()
         RECORDER.start()
         try:  # shipped as a Cluster's ranks ship their values: tensors come back on the CPU
@@ -239,6 +240,9 @@ def main(argv=None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    from .pool import groups
+
+    groups.install(args.timeout)  # the checks' groups as on a pool's ranks: this timeout, and alike on every rank
     try:
         rank, n = dist.get_rank(), dist.get_world_size()
         offsets = clock_offsets()

@@ -2,7 +2,8 @@
 
 cluster.py (the parent side: processes, output, clocks), job.py (one job in flight, the stop button),
 worker.py (one rank), protocol.py (the messages between them, and how functions and results travel),
-failures.py (how a failed job is reported), backend.py (NCCL or Gloo), shared.py (``lablib.cluster``).
+failures.py (how a failed job is reported), groups.py (the process groups a job makes: the pool's timeout,
+and the same ones on every rank), backend.py (NCCL or Gloo), shared.py (``lablib.cluster``).
 """
 from .backend import resolve_backend
 from .cluster import Cluster

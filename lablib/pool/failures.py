@@ -5,7 +5,10 @@ import pickle
 import re
 import signal
 
+from .groups import RULE
 from .protocol import Failure
+
+_GROUP_OPS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "init_device_mesh"}
 
 
 class RankError(RuntimeError):
@@ -92,7 +95,9 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
     head, others = _headline(failures, cats, ranks, stop_reason, world_size, timeout)
     lines = [head]
     for r in sorted(others, key=lambda r: (_ORDER.index(cats[r]), r)):
-        lines.append(f"  rank {r}: " + _one_line(failures[r], cats[r], timeout))
+        same = cats[r] == "error" and (failures[r].type, failures[r].message) == (failures[ranks[0]].type,
+                                                                                    failures[ranks[0]].message)
+        lines.append(f"  rank {r}: " + (f"the same {failures[r].type}" if same else _one_line(failures[r], cats[r], timeout)))
     if finished:
         lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
     blocked = {_op(failures[r]) for r in ranks if cats[r] == "timeout"}
@@ -100,8 +105,12 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
         lines.append(_send_recv_hint(blocked))
     elif "timeout" in cats.values():
         lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
-                     "the same collectives in the same order, with matching shapes; lablib.cluster(n, debug=True) "
-                     "names the first mismatch at once.")
+                     "the same collectives in the same order, with matching shapes, and every member of a group "
+                     "(dist.new_group) must join each collective on it; lablib.cluster(n, debug=True) names the "
+                     "first mismatch at once.")
+    making = sorted(r for r in ranks if _op(failures[r]) in _GROUP_OPS and cats[r] != "error")
+    if making and not any(f.type == "GroupMismatch" for f in failures.values()):
+        lines.append(f"Hint: rank(s) {_join(making)} did not get past making a process group: {RULE}.")
     text = "\n".join(lines + _tracebacks(failures, cats, ranks))
     for filename, name in (cells or {}).items():
         text = text.replace(f'File "{filename}", line', f"{name}, line")

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from . import groups
 from . import protocol as P
 
 
@@ -107,6 +108,7 @@ class _Rank:
 
         torch.set_num_threads(int(os.environ["LABLIB_THREADS"]))
         self.timeout = datetime.timedelta(seconds=self.timeout_s)
+        groups.install(self.timeout_s)  # a job's own groups: the pool's timeout, and alike on every rank
         if os.environ.get("LABLIB_DEVICE") == "cuda":  # its own GPU under NCCL; else shared round-robin
             from .backend import gpu_of
 
@@ -208,6 +210,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
     value = failure = None
     try:
         me.ensure_process_group(job.gen, job.debug)
+        groups.job_started()
         fn, args, kwargs = P.unship(job.payload)
         if os.environ.get("LABLIB_GRADING") == "1":  # set for the grading box: its exercise functions keep
             restrict((fn, args, kwargs))             # the builtins they have there
