@@ -283,9 +283,9 @@ def ulysses_heads_first(q, k, v, causal):
 
 
 def test_zigzag_and_ulysses_mistakes_are_named(cluster):
-    with pytest.raises(CheckFailed, match="rank r takes chunks r and"):
+    with pytest.raises(CheckFailed, match="the other way round: rank r takes chunks r and"):
         check_zigzag(zigzag_reversed)
-    with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA"):
+    with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA.*attended with q of shape .*cut the heads"):
         check_ulysses(ulysses_heads_first, cluster)
 
 
@@ -398,7 +398,8 @@ def ulysses_batch_mixed(q, k, v, causal):
 def test_a_ring_that_attends_to_everything_at_once_and_a_batch_mixed_up_are_named(cluster):
     with pytest.raises(CheckFailed, match="one call per chunk"):
         check_ring(ring_then_all_at_once, cluster)
-    with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA"):
+    with pytest.raises(CheckFailed, match="Task 6.5: .*differs from SDPA.*coming back, rank 0's output mixes batch "
+                                          "elements.*transpose\\(0, 1\\)"):
         check_ulysses(ulysses_batch_mixed, cluster)
 
 
@@ -422,3 +423,208 @@ def test_a_merge_without_the_last_dimension_and_an_lse_starting_at_zero_are_name
         check_blockwise(merge_no_last_dim, cp_blockwise_learner)
     with pytest.raises(CheckFailed, match="lse at -inf"):
         check_blockwise(merge, blockwise_from_zero)
+
+
+# -- the mistakes each check names: a learner's wrong function, run through the check ------------------------------
+def ring_without_wait(q, k, v, positions, causal):
+    """Posts each hop and uses the new chunk without waiting for it."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    held = torch.stack([k, v])
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
+        if step < n - 1:
+            held = incoming
+    return out, lse
+
+
+def ring_waiting_at_the_end(q, k, v, positions, causal):
+    """Waits for every handle, but only after the loop: each chunk is attended to before it has arrived."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    held, works = torch.stack([k, v]), []
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            works += [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
+        if step < n - 1:
+            held = incoming
+    for w in works:
+        w.wait()
+    return out, lse
+
+
+def test_a_chunk_used_before_it_arrived_is_named(cluster):
+    with pytest.raises(CheckFailed, match="never called wait\\(\\) on .*irecv.*An irecv only posts the receive"):
+        check_ring(ring_without_wait, cluster)
+    with pytest.raises(CheckFailed, match="receive\\(s\\) posted and not yet waited for.*read before it had arrived"):
+        check_ring(ring_waiting_at_the_end, cluster)
+
+
+def backward_per_block_softmax(q, k, v, positions, out, lse, grad_out, causal):
+    """Normalises each block's probabilities by its own softmax instead of the forward's final lse."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pos, scale = positions[rank], 1 / math.sqrt(q.shape[-1])
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(q)
+    travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+    for step in range(n):
+        src = (rank - step) % n
+        kk, vv, dk, dv = travelling
+        scores = q @ kk.transpose(-2, -1) * scale
+        if causal:
+            scores = scores.masked_fill(positions[src][None, :] > pos[:, None], float("-inf"))
+        p = torch.softmax(scores, -1)
+        dv += p.transpose(-2, -1) @ grad_out
+        ds = p * (grad_out @ vv.transpose(-2, -1) - delta)
+        dq += ds @ kk * scale
+        dk += ds.transpose(-2, -1) @ q * scale
+        incoming = torch.empty_like(travelling)
+        works = [lablib.isend(travelling, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        for w in works:
+            w.wait()
+        travelling = incoming
+    return dq, travelling[2], travelling[3]
+
+
+def test_a_per_block_softmax_in_the_backward_is_named(cluster):
+    with pytest.raises(CheckFailed, match="probabilities normalised per block.*the forward's final lse"):
+        check_ring_backward(backward_per_block_softmax, cluster)
+
+
+def zigzag_one_past(x, rank, world_size):
+    chunks = x.chunk(2 * world_size, -2)
+    return torch.cat([chunks[rank], chunks[2 * world_size - rank]], -2)
+
+
+def zigzag_one_short(x, rank, world_size):
+    chunks = x.chunk(2 * world_size, -2)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 2 - rank]], -2)
+
+
+def zigzag_default_dim(x, rank, world_size):
+    chunks = x.chunk(2 * world_size)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+
+
+def zigzag_joined_on_dim_0(x, rank, world_size):
+    chunks = x.chunk(2 * world_size, -2)
+    return torch.cat([chunks[rank], chunks[2 * world_size - 1 - rank]])
+
+
+def test_zigzag_off_by_one_and_the_wrong_dimension_are_named():
+    with pytest.raises(CheckFailed, match="took chunks r and 4 - r \\(rank 0 raised IndexError.*no chunk 4\\): off by one"):
+        check_zigzag(zigzag_one_past)
+    with pytest.raises(CheckFailed, match="took chunks r and 2 - r: off by one.*numbered 0 to 3"):
+        check_zigzag(zigzag_one_short)
+    with pytest.raises(CheckFailed, match="you cut dim 0 of x, not the sequence"):
+        check_zigzag(zigzag_default_dim)
+    with pytest.raises(CheckFailed, match="joined the two chunks along dim 0 \\(torch.cat's default\\)"):
+        check_zigzag(zigzag_joined_on_dim_0)
+
+
+def _ulysses(send_layout, arrive):
+    """A Ulysses attention whose first all-to-all sends ``send_layout(x, P)`` and undoes it with
+    ``arrive(got, B, H/P, T, D)``; the way back is right."""
+    def attention(q, k, v, causal):
+        n = dist.get_world_size()
+        B, H, t, D = q.shape
+
+        def to_heads(x):
+            send = send_layout(x, n).contiguous()
+            got = torch.empty_like(send)
+            lablib.all_to_all(got, send)
+            return arrive(got, B, H // n, n * t, D)
+
+        pos = torch.arange(t * n)
+        out, _ = lablib.attend(to_heads(q), to_heads(k), to_heads(v), pos, pos, causal)
+        send = out.reshape(B, H // n, n, t, D).permute(2, 0, 1, 3, 4).contiguous()
+        got = torch.empty_like(send)
+        lablib.all_to_all(got, send)
+        return got.transpose(0, 1).reshape(B, H, t, D)
+    return attention
+
+
+def right_send(x, n):
+    B, H, t, D = x.shape
+    return x.reshape(B, n, H // n, t, D).transpose(0, 1)
+
+
+def right_arrival(got, B, h, T, D):
+    return got.permute(1, 2, 0, 3, 4).reshape(B, h, T, D)
+
+
+def no_transpose(x, n):  # the destination is not dim 0: all_to_all cuts the batch
+    B, H, t, D = x.shape
+    return x.reshape(B, n, H // n, t, D)
+
+
+def reshape_only(x, n):  # a reshape to (P, B, ...) regroups memory, it moves no dimension
+    B, H, t, D = x.shape
+    return x.reshape(n, B, H // n, t, D)
+
+
+def interleaved(x, n):  # head i to rank i % P, while the way back expects rank j's heads j*H/P..
+    B, H, t, D = x.shape
+    return x.reshape(B, H // n, n, t, D).permute(2, 0, 1, 3, 4)
+
+
+def reshape_on_arrival(got, B, h, T, D):  # (P, B, H/P, T/P, D) read as if P were next to the tokens
+    return got.reshape(B, h, T, D)
+
+
+def ulysses_heads_back_interleaved(q, k, v, causal):
+    """The first all-to-all right; coming back, the P chunks are put between the heads, not before them."""
+    n = dist.get_world_size()
+    B, H, t, D = q.shape
+    pos = torch.arange(t * n)
+
+    def heads(x):
+        send = right_send(x, n).contiguous()
+        got = torch.empty_like(send)
+        lablib.all_to_all(got, send)
+        return right_arrival(got, B, H // n, n * t, D)
+
+    out, _ = lablib.attend(heads(q), heads(k), heads(v), pos, pos, causal)
+    send = out.reshape(B, H // n, n, t, D).permute(2, 0, 1, 3, 4).contiguous()
+    got = torch.empty_like(send)
+    lablib.all_to_all(got, send)
+    return got.permute(1, 2, 0, 3, 4).reshape(B, H, t, D)
+
+
+def ulysses_no_transpose(q, k, v, causal):
+    return _ulysses(no_transpose, right_arrival)(q, k, v, causal)
+
+
+def ulysses_reshape_only(q, k, v, causal):
+    return _ulysses(reshape_only, right_arrival)(q, k, v, causal)
+
+
+def ulysses_interleaved(q, k, v, causal):
+    return _ulysses(interleaved, right_arrival)(q, k, v, causal)
+
+
+def ulysses_reshape_on_arrival(q, k, v, causal):
+    return _ulysses(right_send, reshape_on_arrival)(q, k, v, causal)
+
+
+def test_ulysses_layout_mistakes_are_told_apart(cluster):
+    assert "all-to-all" in _judged(check_ulysses, (_ulysses(right_send, right_arrival),), cluster)  # right, it passes
+    destination = ("attended to batch element\\(s\\).*dim 0 must be the destination" if cluster.world_size == 2 else
+                   "has 2 rows in dim 0, which it cuts into one chunk per rank \\(4\\): dim 0 must be the destination")
+    with pytest.raises(CheckFailed, match=destination):  # at 4 ranks the batch of 2 does not cut into 4
+        check_ulysses(ulysses_no_transpose, cluster)
+    with pytest.raises(CheckFailed, match="attended to batch element\\(s\\).*a reshape straight to \\(P, B, ...\\)"):
+        check_ulysses(ulysses_reshape_only, cluster)
+    with pytest.raises(CheckFailed, match="undone the wrong way on arrival.*permute\\(1, 2, 0, 3, 4\\)"):
+        check_ulysses(ulysses_reshape_on_arrival, cluster)
+    with pytest.raises(CheckFailed, match="attended to heads \\[0, .*dealt out interleaved"):
+        check_ulysses(ulysses_interleaved, cluster)
+    with pytest.raises(CheckFailed, match="coming back, rank 0's heads are in the order \\[0, [3-9]"):
+        check_ulysses(ulysses_heads_back_interleaved, cluster)

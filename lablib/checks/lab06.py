@@ -1,38 +1,24 @@
 """Lab 06 (context parallelism): Task 6.1 (the online-softmax merge and blockwise attention, one process),
 6.2 (ring attention forward), 6.3 (its backward), 6.4 (the zig-zag shard) and 6.5 (all-to-all attention),
 each against single-process SDPA (and its autograd) in fp32, judged from what each rank computed and sent:
-a ring passes K/V chunks to its neighbour, one hop a step, and gathers nothing."""
+a ring passes K/V chunks to its neighbour, one hop a step, and gathers nothing. The ring's rank job and judgement
+are in ``lab06_ring``, the mistakes the messages name (from the data, never the code) in ``lab06_mistakes``."""
 from __future__ import annotations
 
-import random
+import re
 
 import torch
 
 from ..strategies import context_parallel as cp
-from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks, whose
+from . import Check, CheckFailed, answers, call_local, max_error, not_done, run_on_ranks, whose
+from . import lab06_mistakes as mistakes
+from .lab06_ring import TOL, inputs, judge_ring as _judge_ring, pair as _pair, posted_first, ring_job, shape
 from .policy import COLLECTIVES
 
-TOL = 1e-4  # fp32: the order in which the blocks are summed moves the last bits
 _OWN = {"scaled_dot_product_attention": "the lab builds attention from lablib.attend; SDPA is the reference it is "
                                         "checked against",
         "~context_parallel": "PyTorch's context parallelism is what the lab compares with; build it yourself"}
 _NO_LIBRARY = {**COLLECTIVES, **_OWN}
-
-
-def shape(seed) -> tuple:
-    """(B, H, T, D): T divides into 2P chunks and H into P heads at P = 2, 3 and 4."""
-    if seed is None:
-        return (2, 12, 48, 8)  # a batch of 2: a layout that mixes up batch and ranks shows
-    rng = random.Random(seed)
-    return (2, 12, 24 * rng.randint(1, 3), rng.choice((4, 8)))
-
-
-def _inputs(seed):
-    return cp.qkv(*shape(seed), seed=seed or 0)
-
-
-def _grad_out(seed):
-    return torch.randn(shape(seed), generator=torch.Generator().manual_seed(11 + (seed or 0)))
 
 
 # -- Task 6.1: the merge and blockwise attention, in one process ------------------------------------------
@@ -47,7 +33,7 @@ def _halves(q, k, v):
 
 def collect_blockwise(fns, pool, seed):
     merge, blockwise = fns
-    q, k, v = _inputs(seed)
+    q, k, v = inputs(seed)
     out = {}
     # the merge on its own: two partial results of the same rows, some of which saw no key on either side
     a, b = _halves(q, k, v)
@@ -64,16 +50,9 @@ def collect_blockwise(fns, pool, seed):
             out[f"{block}/{causal}"] = [got, blocks]
     return out
 
-
-def _pair(task, what, got):
-    if not isinstance(got, (list, tuple)) or len(got) != 2:
-        raise CheckFailed(f"{task}: {what} returned {type(got).__name__}, expected a pair (out, lse).")
-    return got
-
-
 def judge_blockwise(data, world_size, seed) -> str:
     task = "Task 6.1"
-    q, k, v = _inputs(seed)
+    q, k, v = inputs(seed)
     T = q.shape[-2]
     a, b = _halves(q, k, v)
     whole = cp.attend(q, k, v, torch.arange(T), torch.arange(T), True)
@@ -134,143 +113,13 @@ check_blockwise = Check("Task 6.1", ("merge", "blockwise_attention"), collect_bl
 
 
 # -- Tasks 6.2 and 6.3: ring attention -------------------------------------------------------------------------
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def ring_job(fns, backward: bool, seed=None) -> dict:
-    """On each rank, per layout and mask: the learner's ring attention (and its backward) on this rank's
-    chunk, with the messages it sent and received (lablib's traced calls, with their peers)."""
-    import torch.distributed as dist
-
-    from ..comm import to_device, watched
-
-    r, n = dist.get_rank(), dist.get_world_size()
-    q, k, v = (to_device(t) for t in _inputs(seed))
-    T = q.shape[-2]
-    out = {}
-    for layout in LAYOUTS:
-        every = [to_device(cp.positions(layout, s, n, T)) for s in range(n)]
-        mine = [t[..., every[r], :].contiguous() for t in (q, k, v)]
-        for causal in (False, True):
-            flight = blocks = None
-            if not backward:
-                cp._IN_FLIGHT[0], works = [], []
-                try:
-                    (got, ops), blocks = cp.blocks_of(watched, fns[0], *mine, every, causal, works=works, peers=True)
-                finally:
-                    flight, cp._IN_FLIGHT[0] = cp._IN_FLIGHT[0], None
-            else:
-                whole_out, whole_lse = cp.reference(q, k, v, causal), cp.reference_lse(q, k, causal)
-                rows = every[r]
-                dout = to_device(_grad_out(seed))[..., rows, :].contiguous()
-                got, ops = watched(fns[0], *mine, every, whole_out[..., rows, :].contiguous(),
-                                   whole_lse[..., rows].contiguous(), dout, causal, peers=True)
-            out[f"{layout}/{causal}"] = {"got": list(got) if isinstance(got, (tuple, list)) else got, "ops": ops,
-                                         "rows": every[r], "in_flight": flight, "blocks": blocks}
-    return out
-
-
-def _messages(task, rank, n, ops, hops: int, chunk_bytes: int, what: str, least: int | None = None):
-    wrong = [o for o in ops if o.split()[0] not in ("send", "recv")]
-    if wrong:
-        raise CheckFailed(f"{task}: rank {rank} called {', '.join(sorted(set(o.split()[0] for o in wrong)))}: in a ring "
-                          f"the {what} travel between neighbours only, with lablib.isend/irecv.")
-    sends = [o.split() for o in ops if o.startswith("send")]
-    peers = {int(o[-1]) for o in sends}
-    if peers - {(rank + 1) % n}:
-        raise CheckFailed(f"{task}: rank {rank} sent to rank(s) {sorted(peers)}: each rank sends only to the next, "
-                          f"(rank + 1) % world_size, and receives only from the one before.")
-    sent = sum(int(o[1]) for o in sends)
-    if not (least if least is not None else hops * chunk_bytes) <= sent <= hops * chunk_bytes:
-        raise CheckFailed(f"{task}: rank {rank} sent {sent} bytes; the ring passes the {what} ({chunk_bytes} bytes a "
-                          f"hop) {hops} times: {hops * chunk_bytes} bytes.")
-
-
-def _judge_ring(task, data, n, seed, backward: bool) -> float:
-    q, k, v = (t.requires_grad_(backward) for t in _inputs(seed))
-    if not isinstance(data, list) or len(data) != n:
-        raise CheckFailed(f"{task}: expected one result per rank from {n} ranks.")
-    B, H, T, D = shape(seed)
-    chunk = B * H * (T // n) * D * 4
-    worst = 0.0
-    for causal in (False, True):
-        want = cp.reference(q, k, v, causal)
-        if backward:
-            want.backward(_grad_out(seed))
-            grads = [t.grad.detach().clone() for t in (q, k, v)]
-            for t in (q, k, v):
-                t.grad = None
-        lse = cp.reference_lse(q.detach(), k.detach(), causal)
-        for layout in LAYOUTS:
-            for rank, per in enumerate(data):
-                res = per[f"{layout}/{causal}"]
-                rows, where = res["rows"], f"{layout} layout, causal={causal}, rank {rank}"
-                got = _pair(task, "your function", res["got"]) if not backward else res["got"]
-                if backward:
-                    if not isinstance(got, list) or len(got) != 3:
-                        raise CheckFailed(f"{task}: ring_attention_backward returned {type(got).__name__}; expected "
-                                          "(dq, dk, dv).")
-                    errs = {name: max_error(g, w[..., rows, :], f"{task}: {where}: {name}")
-                            for name, g, w in zip(("dq", "dk", "dv"), got, grads)}
-                    bad = [name for name, err in errs.items() if err > TOL]
-                    if bad:
-                        name = bad[0]
-                        hint = {"dq": "dq sums over every block: ds @ k, scaled by 1/sqrt(d), with ds = p * (dp - "
-                                      "rowsum(dout * out)) and p = exp(scores - lse).",
-                                "dk": "dk += ds^T @ q at each block, scaled by 1/sqrt(d), on the chunk's own dk.",
-                                "dv": "dv += p^T @ dout at each block, on the chunk's own dv."}[name]
-                        if "dk" in bad and "dv" in bad:
-                            hint = ("dk and dv belong to the chunk's home rank: they travel round the ring with their "
-                                    "K/V chunk, each rank adding its queries' part, and arrive home after world_size hops.")
-                        if causal:
-                            hint += (" Without the mask this was right: mask the scores where a key comes after its "
-                                     "query, as the forward does, before p = exp(scores - lse).")
-                        raise CheckFailed(f"{task}: {where}: {name} differs from SDPA's gradient by {errs[name]:.2e}. {hint}")
-                    worst = max([worst, *errs.values()])
-                    _messages(task, rank, n, res["ops"], n, 4 * chunk, "K, V, dK and dV", least=(2 * n - 1) * 2 * chunk)
-                else:
-                    out, got_lse = got
-                    err = max_error(out, want.detach()[..., rows, :], f"{task}: {where}: out")
-                    if out.isnan().any():
-                        raise CheckFailed(f"{task}: {where}: your output has NaN: a row that saw no key in a block "
-                                          "(lse -inf on both sides of a merge) must stay zeros.")
-                    if err > TOL:
-                        raise CheckFailed(f"{task}: {where}: the output differs from SDPA on the whole sequence by "
-                                          f"{err:.2e}. Attend to the chunk held at each step with its home rank's "
-                                          "positions (positions[src], src = (rank - step) % world_size), merging as in "
-                                          "Task 6.1; receive the next chunk into a fresh buffer, as the one you hold is "
-                                          "still being sent.")
-                    if max_error(got_lse, lse[..., rows], f"{task}: {where}: lse") > TOL:
-                        raise CheckFailed(f"{task}: {where}: the lse differs from the whole sequence's.")
-                    worst = max(worst, err)
-                    _messages(task, rank, n, res["ops"], n - 1, 2 * chunk, "K and V")
-    return worst
-
-
-def _posted_first(task, data, n):
-    """Each rank attended to every chunk with lablib.attend (not to everything at once, by other means), and
-    computed its first block with the next chunk's receive already posted."""
-    for rank, per in enumerate(data):
-        blocks = [tuple(b) for b in per["contiguous/False"]["blocks"] or ()]
-        size = len(per["contiguous/False"]["rows"])
-        if blocks != [(size, size)] * n:
-            raise CheckFailed(f"{task}: without a mask, rank {rank} called lablib.attend on blocks (queries, keys) "
-                              f"{blocks[:6]}; a ring attends its {size} queries to each of the {n} chunks it holds, "
-                              f"one call per chunk: {[(size, size)] * n}.")
-        flight = per["contiguous/False"]["in_flight"]
-        if n > 1 and flight and not flight[0]:
-            raise CheckFailed(f"{task}: rank {rank} computed its first block with no receive posted: the recv of the "
-                              "next chunk came after the compute that could have hidden it. Post the next chunk's "
-                              "lablib.isend and lablib.irecv first, attend to the chunk you hold, then wait.")
-
-
 def collect_ring(fns, pool, seed):
     return run_on_ranks(pool, "Task 6.2", ring_job, fns, False, seed)
 
 
 def judge_ring(data, world_size, seed) -> str:
     worst = _judge_ring("Task 6.2", data, world_size, seed, False)
-    _posted_first("Task 6.2", data, world_size)
+    posted_first("Task 6.2", data, world_size)
     return (f" on {world_size} ranks, contiguous and zig-zag, causal and not: equal to SDPA (max error {worst:.1e}), "
             f"K/V passed to the next rank in {world_size - 1} hop{'s' if world_size > 2 else ''}")
 
@@ -296,25 +145,50 @@ check_ring_backward = Check("Task 6.3", ("ring_attention_backward",), collect_ri
 
 
 # -- Task 6.4: the zig-zag shard ---------------------------------------------------------------------------------
+def _shard(fn, *args):
+    """The learner's zigzag_shard on one input: its tensor, or the exception it raised as text (a judge names
+    an IndexError by what the other calls returned)."""
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise not_done("Task 6.4", fn.__name__) from None
+    except Exception as exc:  # noqa: BLE001 - any error is the learner's, reported by the judge
+        return f"{type(exc).__name__}: {exc}"
+
+
 def collect_zigzag(fns, pool, seed):
     (fn,) = fns
     T = shape(seed)[2]
     x = torch.arange(T).view(1, 1, T, 1)
-    return [[call_local("Task 6.4", fn, f"x of {T} tokens, rank={r}, world_size={n}", "It returns this rank's part "
-                        "of x along dim -2.", x, r, n) for r in range(n)] for n in (1, 2, 3, 4)]
+    probe = _shard(fn, torch.zeros(8, 8, T, 8), 0, 2)  # every dim cuts into 4: which one did it cut?
+    return {"parts": [[_shard(fn, x, r, n) for r in range(n)] for n in (1, 2, 3, 4)],
+            "probe": {"shape": list(probe.shape)} if isinstance(probe, torch.Tensor) else {"error": str(probe)}}
 
 
 def judge_zigzag(data, world_size, seed) -> str:
     T = shape(seed)[2]
-    for n, parts in zip((1, 2, 3, 4), data):
-        for r, got in enumerate(parts):
-            want = cp.positions("zigzag", r, n, T).view(1, 1, -1, 1)
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
-                raise CheckFailed(f"Task 6.4: with {n} rank(s) and {T} tokens, rank {r} should hold positions "
-                                  f"{want.flatten().tolist()}, got {got.flatten().tolist() if isinstance(got, torch.Tensor) else got!r}: "
-                                  "cut the sequence into 2 x world_size chunks; rank r takes chunks r and "
-                                  "2 x world_size - 1 - r, in that order.")
-    return ": every rank holds chunks r and 2P-1-r, at 1 to 4 ranks"
+    if not isinstance(data, dict) or "parts" not in data:
+        raise CheckFailed("Task 6.4: expected the shards of every rank.")
+    held = [[got.flatten().tolist() if isinstance(got, torch.Tensor) and got.dim() == 4 and got.shape[:2] == (1, 1)
+             and got.shape[3] == 1 else got for got in parts] for parts in data["parts"]]
+    wrong = [(n, r, got) for n, parts in zip((1, 2, 3, 4), held) for r, got in enumerate(parts)
+             if not (isinstance(got, list) and got == cp.positions("zigzag", r, n, T).tolist())]
+    if not wrong:
+        return ": every rank holds chunks r and 2P-1-r, at 1 to 4 ranks"
+    named = mistakes.zigzag_wrong_dim(data.get("probe"), T) or mistakes.zigzag_off_by_one(held, T)
+    if named:
+        raise CheckFailed(f"Task 6.4: {named}")
+    n, r, got = wrong[0]
+    if isinstance(got, str):
+        raise CheckFailed(f"Task 6.4: zigzag_shard(x of {T} tokens, rank={r}, world_size={n}) raised {got}. It "
+                          "returns this rank's part of x along dim -2: chunks r and 2 x world_size - 1 - r of "
+                          "x.chunk(2 * world_size, -2).")
+    want = cp.positions("zigzag", r, n, T).tolist()
+    shown = got if isinstance(got, list) else f"a {type(got).__name__}" + (
+        f" of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else "")
+    raise CheckFailed(f"Task 6.4: with {n} rank(s) and {T} tokens, rank {r} should hold positions {want}, got {shown}: "
+                      "cut the sequence into 2 x world_size chunks; rank r takes chunks r and 2 x world_size - 1 - r, "
+                      "in that order.")
 
 
 check_zigzag = Check("Task 6.4", ("zigzag_shard",), collect_zigzag, judge_zigzag, world_sizes=(), forbidden=_NO_LIBRARY)
@@ -328,20 +202,30 @@ def ulysses_job(fn, seed=None) -> dict:
     from ..comm import to_device, watched
 
     r, n = dist.get_rank(), dist.get_world_size()
-    q, k, v = (to_device(t) for t in _inputs(seed))
+    q, k, v = (to_device(t) for t in inputs(seed))
     out = {}
     for causal in (False, True):
-        (got, ops), blocks = cp.blocks_of(watched, fn, *[t.chunk(n, -2)[r].contiguous() for t in (q, k, v)], causal)
-        out[str(causal)] = {"got": got, "ops": ops, "blocks": blocks}
+        mine = [t.chunk(n, -2)[r].contiguous() for t in (q, k, v)]
+        ((got, ops), blocks), queries = cp.queries_of(cp.blocks_of, watched, fn, *mine, causal)
+        out[str(causal)] = {"got": got, "ops": ops, "blocks": blocks, "queries": queries[:1]}
     return out
 
 
+_SPLIT = re.compile(r"input has (\d+) rows, which do not cut into (\d+) equal parts")
+
+
+def _split_hint(found) -> str:
+    return (f"the tensor you gave lablib.all_to_all has {found[1]} rows in dim 0, which it cuts into one chunk per "
+            f"rank ({found[2]}): dim 0 must be the destination rank. x.reshape(B, P, H // P, T/P, D).transpose(0, "
+            "1).contiguous() puts it first (without the transpose, dim 0 is the batch).")
+
+
 def collect_ulysses(fns, pool, seed):
-    return run_on_ranks(pool, "Task 6.5", ulysses_job, fns[0], seed)
+    return run_on_ranks(pool, "Task 6.5", ulysses_job, fns[0], seed, hints=((_SPLIT, _split_hint),))
 
 
 def judge_ulysses(data, world_size, seed) -> str:
-    q, k, v = _inputs(seed)
+    q, k, v = inputs(seed)
     B, H, T, D = shape(seed)
     chunk = B * H * (T // world_size) * D * 4
     for causal in (False, True):
@@ -349,6 +233,10 @@ def judge_ulysses(data, world_size, seed) -> str:
         for rank, per in enumerate(data):
             res = per[str(causal)]
             err = max_error(res["got"], want.chunk(world_size, -2)[rank], f"Task 6.5: rank {rank}'s output")
+            named = err > TOL and mistakes.ulysses_mistake((res.get("queries") or [None])[0], res["got"], q, want,
+                                                           rank, world_size)
+            if named:
+                raise CheckFailed(f"Task 6.5: causal={causal}, the output differs from SDPA by {err:.2e}: {named}")
             if err > TOL:
                 raise CheckFailed(f"Task 6.5: causal={causal}, rank {rank}: the output differs from SDPA by {err:.2e}. "
                                   "After the all-to-all a rank holds every token of H/P heads, in sequence order "

@@ -23,6 +23,7 @@ from ..toy import seeded
 
 _BLOCKS: list = [None]  # (query rows, key rows) of each attend() while a check holds a list here
 _IN_FLIGHT: list = [None]  # per attend(), the receives posted and not yet waited for (comm.watched's works)
+_QUERIES: list = [None]  # the queries of each attend() while a check holds a list here (where each row came from)
 
 
 def attend(q, k, v, q_pos, k_pos, causal: bool):
@@ -38,6 +39,8 @@ def attend(q, k, v, q_pos, k_pos, causal: bool):
         from ..comm import WORKS
 
         _IN_FLIGHT[0].append(sum(1 for w in WORKS[0] or () if w.op == "recv" and not w.waited))
+    if _QUERIES[0] is not None:
+        _QUERIES[0].append(q.detach().cpu().clone())
     with span(f"attn {q.shape[-2]}x{k.shape[-2]}", "compute"):
         if not causal:
             return _attend(q, k, v, None)
@@ -72,6 +75,11 @@ def _runs(pos) -> list[tuple[int, int]]:
 def blocks_of(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` and the (query rows, key rows) of every block ``attend`` computed meanwhile."""
     return noted(_BLOCKS, fn, *args, **kwargs)
+
+
+def queries_of(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and the queries of every block ``attend`` computed meanwhile (CPU copies)."""
+    return noted(_QUERIES, fn, *args, **kwargs)
 
 
 def positions(layout: str, rank: int, world_size: int, tokens: int) -> torch.Tensor:
