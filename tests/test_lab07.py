@@ -280,10 +280,20 @@ def keep_highest(experts, gates, num_experts, capacity):
     return keep.view(experts.shape)
 
 
+def keep_first_come(experts, gates, num_experts, capacity):
+    flat_e = experts.flatten()
+    keep = torch.zeros_like(flat_e, dtype=torch.bool)
+    for e in range(num_experts):
+        keep[(flat_e == e).nonzero().flatten()[:capacity]] = True
+    return keep.view(experts.shape)
+
+
 def test_capacity_mistakes_are_named():
     assert "highest gates" in _judged(check_keep, (keep_highest,))
     with pytest.raises(CheckFailed, match="highest-gate assignments"):
         check_keep(keep_lowest)
+    with pytest.raises(CheckFailed, match=r"first \d+ assignments by position .* keeps each expert's highest gates"):
+        check_keep(keep_first_come)
 
 
 def _layer(x, router, w1, w2, k, capacity_factor=None, mistake=""):
@@ -294,7 +304,10 @@ def _layer(x, router, w1, w2, k, capacity_factor=None, mistake=""):
     flat = experts.flatten()
     kept = torch.ones_like(flat, dtype=torch.bool)
     if capacity_factor is not None and mistake != "no capacity":
-        kept = keep_highest(experts, gates, E, math.ceil(x.shape[0] * k * capacity_factor / E)).flatten()
+        cap = {"floor": lambda t, c: int(t * k * c / E), "every rank's tokens": lambda t, c: math.ceil(n * t * k * c / E),
+               "no k": lambda t, c: math.ceil(t * c / E), "per rank": lambda t, c: math.ceil(t * k * c / n),
+               }.get(mistake, lambda t, c: math.ceil(t * k * c / E))(x.shape[0], capacity_factor)
+        kept = keep_highest(experts, gates, E, cap).flatten()
         if mistake != "send dropped":
             flat = torch.where(kept, flat, E)
     order = flat.argsort(stable=True)
@@ -308,7 +321,7 @@ def _layer(x, router, w1, w2, k, capacity_factor=None, mistake=""):
         arrived = torch.empty(sum(recv), x.shape[1])
         lablib.all_to_all(arrived, x[order // k].contiguous(), recv, send)
     else:
-        arrived = AllToAll.apply(x[order // k], recv, send)
+        arrived = AllToAll.apply(x[order // k], *((send, recv) if mistake == "swapped" else (recv, send)))
     owner = torch.arange(local).repeat(n).repeat_interleave(per.flatten())
     regroup = owner.argsort(stable=True)
     done = torch.cat([lablib.expert(p, w1[e], w2[e]) for e, p in enumerate(arrived[regroup].split(per.sum(0).tolist()))])
@@ -355,6 +368,26 @@ def layer_plain_dispatch(x, router, w1, w2, k, capacity_factor=None):
     return _layer(x, router, w1, w2, k, capacity_factor, "plain dispatch")
 
 
+def layer_swapped_splits(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "swapped")
+
+
+def layer_capacity_floored(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "floor")
+
+
+def layer_capacity_of_every_rank(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "every rank's tokens")
+
+
+def layer_capacity_without_k(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "no k")
+
+
+def layer_capacity_per_rank(x, router, w1, w2, k, capacity_factor=None):
+    return _layer(x, router, w1, w2, k, capacity_factor, "per rank")
+
+
 def layer_gathered(x, router, w1, w2, k, capacity_factor=None):
     every = torch.empty((dist.get_world_size() * x.shape[0],) + tuple(x.shape[1:]))
     lablib.all_gather(every, x)
@@ -379,6 +412,21 @@ def test_layer_mistakes_are_named(cluster):
         check_layer(layer_plain_dispatch, cluster)
 
 
+@pytest.mark.parametrize("fn, seed, message", [
+    (layer_swapped_splits, None, r"Likely: the dispatch's split sizes are swapped\. autograd_all_to_all\(tokens, output_"),
+    (layer_capacity_floored, None, r"rounded down: .* takes 8 of this rank's assignments here, not 7"),
+    (layer_capacity_without_k, None, r"leaves out k: .* takes 6 of this rank's assignments here, not 3"),
+    (layer_capacity_per_rank, None, r"per expert, not per rank: .* takes 6 of this rank's assignments here, not 12"),
+    (layer_capacity_of_every_rank, None, r"nothing was dropped: .* from every rank's tokens, .* world_size times too large"),
+    (layer_capacity_of_every_rank, 15, r"world_size times too large: count this rank's tokens only"),  # 12 experts, top-1
+])
+def test_layer_split_and_capacity_mistakes_are_named(cluster, fn, seed, message):
+    if cluster.world_size != 4 and seed is None and fn is not layer_swapped_splits:
+        pytest.skip("these capacities keep other assignments than the right one with 8 experts, on 4 ranks")
+    with pytest.raises(CheckFailed, match=message):
+        _judged(check_layer, (fn,), cluster, seed=seed)
+
+
 def loss_not_over_k(probs, experts, num_experts, alpha):
     f = torch.bincount(experts.flatten(), minlength=num_experts).float() / experts.shape[0]
     return alpha * num_experts * (f * probs.mean(0)).sum()
@@ -390,8 +438,15 @@ def loss_f_from_probs(probs, experts, num_experts, alpha):
     return alpha * num_experts * (f * probs.mean(0)).sum()
 
 
+def loss_mean_over_experts(probs, experts, num_experts, alpha):
+    f = torch.bincount(experts.flatten(), minlength=num_experts).float() / experts.numel()
+    return alpha * num_experts * (f * probs.mean(1)).sum()
+
+
 def test_loss_mistakes_are_named():
     with pytest.raises(CheckFailed, match="divide by tokens × k"):
         check_loss(loss_not_over_k)
     with pytest.raises(CheckFailed, match="gradient is not"):
         check_loss(loss_f_from_probs)
+    with pytest.raises(CheckFailed, match=r"averaged over the experts \(probs.mean\(1\).*probs.mean\(0\)"):
+        check_loss(loss_mean_over_experts)

@@ -162,6 +162,22 @@ def _keep_cases(seed=None) -> dict:
     return cases
 
 
+def _by_position(experts, E: int, cap: int) -> list:
+    """The masks that keep each expert's first ``cap`` assignments by position: token by token, and (as
+    GShard) every token's first choice before any second choice."""
+    t, k = experts.shape
+    token_major = torch.arange(t * k)
+    slot_major = torch.arange(t * k).view(t, k).t().flatten()
+    masks = []
+    for order in (token_major, slot_major):
+        keep = torch.zeros(t * k, dtype=torch.bool)
+        flat = experts.flatten()[order]
+        for e in range(E):
+            keep[order[flat == e][:cap]] = True
+        masks.append(keep.view(t, k))
+    return masks
+
+
 def collect_keep(fns, pool, seed):
     return {name: call_local("Task 7.3", fns[0], f"experts, gates, {E}, capacity={cap} ({name})",
                              "It returns a (tokens, k) mask of booleans.", experts, gates, E, cap)
@@ -179,6 +195,13 @@ def judge_keep(data, world_size, seed) -> str:
         if not torch.equal(got, want):
             small = experts.numel() <= 10
             over = [e for e in range(E) if int((got & (experts == e)).sum()) > cap]
+            if not over and any(torch.equal(got, m) for m in _by_position(experts, E, cap)):
+                raise CheckFailed(f"Task 7.3 ({name}): each expert kept its first {cap} assignments by position (first "
+                                  "come, first served: Switch Transformer's and GShard's rule, Megatron-Core's "
+                                  "moe_token_drop_policy=\"position\"). This task keeps each expert's highest gates "
+                                  "instead (Megatron-Core's \"probs\"): order the assignments by gate, highest first (a "
+                                  "stable sort keeps the earlier token first on a tie), then keep the first "
+                                  f"{cap} of each expert.")
             raise CheckFailed(f"Task 7.3 ({name}): " + (f"experts {experts.tolist()}, gates {[[round(g, 3) for g in row] for row in gates.tolist()]}, " if small
                                                         else "") + f"capacity {cap}: " + (
                 f"expert {over[0]} keeps more than {cap}." if over else
@@ -217,17 +240,34 @@ check_layer = Check("Task 7.4", ("moe_layer",), collect_layer, judge_layer, worl
 
 # -- Task 7.5: the load-balancing loss ------------------------------------------------------------------------
 def _loss_cases(seed=None) -> dict:
+    """The first has as many tokens as experts: there probs.mean(1) has the shape of probs.mean(0)."""
     return {name: (*_routing(seed, tokens, E, k, skew)[:2], E, 0.01)
-            for name, tokens, skew, E, k in (("skewed, top-2", 32, 3.0, 8, 2), ("even, top-1", 40, 0.0, 4, 1),
+            for name, tokens, skew, E, k in (("skewed, top-2, 8 tokens, 8 experts", 8, 3.0, 8, 2),
+                                            ("skewed, top-2", 32, 3.0, 8, 2), ("even, top-1", 40, 0.0, 4, 1),
                                             ("skewed, top-1", 24, 2.0, 6, 1))}
+
+
+_MEAN_OVER_EXPERTS = ("Pᵢ was averaged over the experts (probs.mean(1), or dim=-1): each token's probabilities add up "
+                      "to 1, so that mean is 1/E for every token, and the loss is α whatever the routing. Pᵢ is expert "
+                      "i's mean probability over the tokens: probs.mean(0), probs being (tokens, E)")
+
+
+def _is_alpha(loss, alpha) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.numel() == 1 and abs(loss.item() - alpha) < 1e-6 * alpha
 
 
 def collect_loss(fns, pool, seed):
     out = {}
     for name, (probs, experts, E, alpha) in _loss_cases(seed).items():
         p = probs.clone().requires_grad_()
-        loss = call_local("Task 7.5", fns[0], f"probs, experts, {E}, {alpha} ({name})", "It returns a scalar tensor.",
-                          p, experts, E, alpha)
+        try:
+            loss = call_local("Task 7.5", fns[0], f"probs, experts, {E}, {alpha} ({name})",
+                              "It returns a scalar tensor.", p, experts, E, alpha)
+        except CheckFailed as err:
+            square = next(iter(out.values()), [None])[0]
+            if _is_alpha(square, alpha) and probs.shape[0] != E:
+                raise CheckFailed(f"Task 7.5 ({name}): {_MEAN_OVER_EXPERTS}.\n\n{err}") from None
+            raise
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad:
             loss.backward()
         out[name] = [loss.detach() if isinstance(loss, torch.Tensor) else loss, p.grad]
@@ -244,6 +284,9 @@ def judge_loss(data, world_size, seed) -> str:
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             raise CheckFailed(f"Task 7.5 ({name}): expected a scalar tensor, got {got!r}.")
         ratio = (got.double() / want.detach().double()).item()
+        if abs(ratio - 1) > 1e-5 and probs.shape[0] == E and _is_alpha(got, alpha):
+            raise CheckFailed(f"Task 7.5 ({name}): the loss is {got.item():.6g}, expected {want.item():.6g}: "
+                              f"{_MEAN_OVER_EXPERTS}.")
         if abs(ratio - 1) > 1e-5:
             k = experts.shape[1]
             hint = next((h for r, h in ((k, f"fᵢ counts each of a token's {k} assignments: divide by tokens × k, so "

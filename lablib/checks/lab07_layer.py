@@ -55,24 +55,43 @@ def bytes_to(op: str):
     return [int(b) for b in parts[3].split("/")] if parts[0] == "all_to_all" and len(parts) == 4 else None
 
 
-def name_output_mistake(task, y, x, router, w1, w2, k, keep=None):
+def name_output_mistake(task, y, x, router, w1, w2, k, keep=None, capacity_factor=None, world_size=None):
     """CheckFailed naming the mistake when the output ``y`` of one rank's tokens ``x`` (its ``keep``, with a
-    capacity) is what a typical mistake gives."""
+    capacity) is what a typical mistake gives; ``w1``, ``w2``: every expert's."""
     A = answers("lab07")
     gates, experts, _ = A.route(x, router, k)
-    if keep is not None:
-        gates = gates * keep
     outs = torch.stack([torch.stack([ep.expert(x[t:t + 1], w1[e], w2[e])[0] for e in experts[t].tolist()])
                         for t in range(x.shape[0])])                                    # (tokens, k, dim)
+    mistakes = {}
+    if keep is not None:
+        E, T = w1.shape[0], x.shape[0]
+        right = ep.capacity(T, k, capacity_factor, E)
+        nothing = ("nothing was dropped: this is the layer without a capacity. With a capacity_factor, compute "
+                   f"the capacity, ⌈tokens × k × factor / E⌉ = {right} here, from this rank's tokens (x.shape[0]) and "
+                   "all E = world_size × w1.shape[0] experts (a capacity from every rank's tokens, or from this rank's "
+                   "w1.shape[0] experts, is world_size times too large and may drop nothing), keep only the "
+                   "assignments keep_mask keeps, and send only those")
+        mistakes[nothing] = x + (outs * gates[..., None]).sum(1)
+        for wrong, what in (
+                (int(T * k * capacity_factor / E), "the capacity was rounded down: ⌈tokens × k × factor / E⌉ rounds "
+                                                   "up (math.ceil; int() and // round down)"),
+                (ep.capacity(T, 1, capacity_factor, E), "the capacity leaves out k: each token makes k assignments, "
+                                                        "so an expert's even share is tokens × k / E"),
+                (ep.capacity(T, k, capacity_factor, world_size), "the capacity is per expert, not per rank: divide "
+                                                                 "by E, every expert, not by the number of ranks"),
+                (ep.capacity(T * world_size, k, capacity_factor, E),
+                 "the capacity is world_size times too large: count this rank's tokens only (x.shape[0]), and take E "
+                 "as every expert (world_size × w1.shape[0], not w1.shape[0])")):
+            kept = A.keep_mask(experts, gates, E, wrong)
+            if wrong != right and not torch.equal(kept, keep):
+                what = f"{what}: an expert takes {right} of this rank's assignments here, not {wrong}"
+                mistakes.setdefault(what, x + (outs * (gates * kept)[..., None]).sum(1))
+        gates = gates * keep
     mixed = (outs * gates[..., None]).sum(1)
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     sorted_outs = outs.flatten(0, 1)[order]
     twice = sorted_outs[order].view_as(outs)
-    mistakes = {
-        "this is the layer without a capacity: with a capacity_factor, compute the capacity, keep only the "
-        "assignments keep_mask keeps, and send only those": x + (outs * A.route(x, router, k)[0][..., None]).sum(1),
-    } if keep is not None else {}
     mistakes |= {
         "the gates were applied twice: the output weights each expert by its gate squared. Multiply by the gate "
         "once, after the combine, on the token's own rank": x + (outs * gates[..., None] ** 2).sum(1),
@@ -116,6 +135,11 @@ LAYER_HINTS = (
                            "(lablib.all_to_all of the per-expert counts) and receive with the counts that arrived."),
     ("whole numbers of rows, one per rank", "a split list is one number of rows per rank: sum the per-expert counts "
                                             "over each rank's experts (counts.view(world_size, -1).sum(1))."),
+    ("input_split_sizes=", "the dispatch's split sizes are swapped. autograd_all_to_all(tokens, output_splits, "
+                           "input_splits) takes what arrives first: output_splits, per rank, the counts that arrived "
+                           "from it (summed over your experts); input_splits, per rank, your own counts for its experts "
+                           "(they add up to the tokens you send). The combine sends the results home with the two "
+                           "exchanged."),
 ) + A2A_HINTS
 
 
@@ -157,7 +181,7 @@ def judge_ranks(task, data, n, seed, capacity_factor=None, skew=0.0) -> float:
         err = max_error(res["y"], want[mine], f"{where}: the output")
         if err > TOL:
             name_output_mistake(task, res["y"], x.detach()[mine], router.detach(), w1.detach(), w2.detach(), k,
-                                None if keeps is None else keeps[r])
+                                None if keeps is None else keeps[r], capacity_factor, n)
             if keeps is not None:
                 lost = ~keeps[r].any(1)
                 if lost.any() and res["y"][lost].abs().max() < TOL:
