@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .device_audit import check_collective
+from .arguments import p_times, tensors
 from .splits import row_bytes, same_splits, splits
 from .traffic import BUS_FACTOR, bytes_on_wire, bytes_sent, ring_steps, written  # noqa: F401 (comm.bytes_sent, ...)
 from .device_audit import enabled as _audited
@@ -247,6 +248,7 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="all_reduce"):
+    tensors("all_reduce", tensor=tensor)
     return _traced(name, tensor.nbytes, async_op, lambda t, _: dist.all_reduce(t, op, group, async_op), tensor,
                    "all_reduce", group=group)
 
@@ -254,6 +256,8 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, name="a
 def all_gather(output, input, group=None, async_op=False, name="all_gather"):
     """``output`` (world_size * n elements) receives every rank's ``input`` (n elements), in rank order.
     With ``async_op=True`` on a CPU, ``output`` is filled by ``wait()``."""
+    tensors("all_gather", output=output, input=input)
+    p_times("all_gather", output, input, dist.get_world_size(group))
     def call(input, output):
         if async_op and not output.is_cuda:
             return _CopyOut(output, lambda buffer: all_gather_single(buffer, input, group, True))
@@ -264,6 +268,8 @@ def all_gather(output, input, group=None, async_op=False, name="all_gather"):
 
 def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, name="reduce_scatter"):
     """Rank r's ``output`` (n elements) gets the sum over ranks of chunk r of ``input`` (world_size * n)."""
+    tensors("reduce_scatter", output=output, input=input)
+    p_times("reduce_scatter", output, input, dist.get_world_size(group))
     def call(input, output):
         if async_op and not input.is_cuda and _on_gloo(group):
             return _GlooAsyncReduceScatter(output, input, op, group)
@@ -273,6 +279,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
 
 
 def broadcast(tensor, src, group=None, async_op=False, name="broadcast"):
+    tensors("broadcast", tensor=tensor)
     return _traced(name, tensor.nbytes, async_op, lambda t, _: dist.broadcast(t, src, group, async_op), tensor,
                    "broadcast", group=group)
 
@@ -285,6 +292,7 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
     ``input_split_sizes[r]``), so uneven splits are exchanged first; a mismatch is a ValueError that names
     both, where Gloo would abort the rank. The span keeps the bytes sent to (``to``) and received from
     (``from``) each rank."""
+    tensors("all_to_all", output=output, input=input)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     ins, outs = (splits(s, t, n, side) for s, t, side in ((input_split_sizes, input, "input"),
                                                           (output_split_sizes, output, "output")))
@@ -307,6 +315,7 @@ def barrier(group=None, name="barrier"):
 
 
 def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
+    tensors(("i" if async_op else "") + op, tensor=tensor)
     n, me = dist.get_world_size(), dist.get_rank()
     called = f"lablib.{'i' if async_op else ''}{op} {'to' if op == 'send' else 'from'} rank {peer}"
     if not 0 <= peer < n:  # Gloo would wait for a rank that never joins, then fail with a store timeout

@@ -130,11 +130,13 @@ _STAGE_HINTS = {
     "zero3": "unshard must make room for the full parameters again (resize the flat buffer's storage to "
              "padded_numel * element_size bytes) and all-gather every rank's unit.shard into unit.flat.",
 }
+_REBOUND = ("unit.flat is not the unit's full-size buffer any more. reshard must free the flat buffer's storage in "
+            "place (unit.flat.untyped_storage().resize_(0)) and keep unit.flat the same tensor: binding unit.flat to a "
+            "new tensor leaves the model's parameters pointing at the old buffer, and unshard then gathers into a "
+            "tensor of the wrong size.")
 _RANK_HINTS = (
-    ("invalid tensor size", "unit.flat is not the unit's full-size buffer any more. reshard must free the flat "
-                            "buffer's storage in place (unit.flat.untyped_storage().resize_(0)) and keep unit.flat "
-                            "the same tensor: binding unit.flat to a new tensor leaves the model's parameters "
-                            "pointing at the old buffer, and unshard then gathers into a tensor of the wrong size."),
+    ("lablib.all_gather: the output has shape", _REBOUND),  # lablib's words for it
+    ("invalid tensor size", _REBOUND),                        # Gloo's, from dist.all_gather_into_tensor
     ("storage of size 0", "unshard gathers into unit.flat, whose storage reshard freed: resize it back to "
                           "unit.layout.padded_numel * unit.flat.element_size() bytes before the all-gather."),
     ("timed out", "one rank skipped a collective the others called: every rank must call the same "
