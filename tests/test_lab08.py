@@ -178,9 +178,52 @@ def checkpointed_keeps_everything(forward):
     return forward
 
 
+class PassesTheGradientOn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, h):
+        ctx.fn = fn
+        ctx.save_for_backward(h)
+        with torch.no_grad():
+            return fn(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def checkpointed_passes_the_gradient_on(forward):
+    return lambda h: PassesTheGradientOn.apply(forward, h)
+
+
+class RecomputesWithoutGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, h):
+        ctx.fn = fn
+        ctx.save_for_backward(h)
+        with torch.no_grad():
+            return fn(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        h = h.detach().requires_grad_()
+        torch.autograd.backward(ctx.fn(h), grad)
+        return None, h.grad
+
+
+def checkpointed_without_enable_grad(forward):
+    return lambda h: RecomputesWithoutGrad.apply(forward, h)
+
+
 def test_recompute_mistakes_are_named(four):
     with pytest.raises(CheckFailed, match="recomputation keeps the stage's input only"):
         check_recompute(make_step(), checkpointed_keeps_everything, four)
+    with pytest.raises(CheckFailed, match="your backward returned the incoming gradient unchanged: it skipped the "
+                                          "recomputed forward's backward"):
+        check_recompute(make_step(), checkpointed_passes_the_gradient_on, four)
+    with pytest.raises(CheckFailed, match=r"does not require grad.*The recomputation runs inside backward, where grad "
+                                          r"mode is off.*wrap it in torch.enable_grad\(\)"):
+        check_recompute(make_step(), checkpointed_without_enable_grad, four)
 
 
 def memory_states_not_over_cp(model, layout):

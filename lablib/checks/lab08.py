@@ -1,6 +1,7 @@
 """Lab 08 (putting it together): Task 8.1 (a mesh's process groups, against ``init_device_mesh``'s), 8.2
 (one training step with data, tensor and pipeline parallelism at once, on each 2×2 mesh of 4 ranks), 8.3
-(activation recomputation in its stages) and 8.4 (a layout's memory per GPU, in this process). A step is judged against one process on the whole batch: its loss
+(activation recomputation in its stages, first on one block in this process: ``lab08_recompute``) and 8.4 (a
+layout's memory per GPU, in this process). A step is judged against one process on the whole batch: its loss
 and every gradient after the first step, and an 8-step run's losses; a difference is named from what the
 ranks did, the axis whose group a collective used or the factor by which the gradients were scaled."""
 from __future__ import annotations
@@ -292,13 +293,21 @@ check_step = Check("Task 8.2", ("train_step",), collect_step, judge_step, forbid
 
 # -- Task 8.3: recomputation -------------------------------------------------------------------------------
 def collect_recompute(fns, pool, seed):
+    from .lab08_recompute import probe
+
     train_step, checkpointed = fns
-    return {"with": collect_step((train_step,), pool, seed, checkpointed, {"TP×PP": cp.MESHES["TP×PP"]}),
+    first = probe("Task 8.3", checkpointed, seed)  # one block in this process: its mistakes named before the ranks
+    if first["error"] or any(g is None for g in first["got"]):
+        return {"probe": first}
+    return {"probe": first, "with": collect_step((train_step,), pool, seed, checkpointed, {"TP×PP": cp.MESHES["TP×PP"]}),
             "without": collect_step((train_step,), pool, seed, None, {"TP×PP": cp.MESHES["TP×PP"]})}
 
 
 def judge_recompute(data, world_size, seed) -> str:
+    from .lab08_recompute import judge_probe
+
     task, s = "Task 8.3", cp.size_for(seed)
+    judge_probe(task, data["probe"])
     shape = cp.MESHES["TP×PP"]
     act = s["rows"] // shape[1] // s["micro_batches"] * s["width"] * 4  # one micro-batch's activations, bytes
     for rank, (got, plain) in enumerate(zip(data["with"]["TP×PP"], data["without"]["TP×PP"])):
@@ -357,8 +366,9 @@ def judge_memory(data, world_size, seed) -> str:
             raise CheckFailed(f"{task}: memory_per_gpu returned {got}; expected a dict {{'states': bytes, "
                               "'activations': bytes}}.")
         for term, hint in (("states", "the stage's parameters over TP (model.stage_params(pp) / tp), 2 + 2 bytes each "
-                                      "for BF16 weights and gradients, 12 for the FP32 master and Adam's moments, "
-                                      "those sharded over the ranks that hold the same weights (dp × cp)"),
+                                      "for BF16 weights and gradients, 12 (4 each) for the FP32 master copy and "
+                                      "Adam's two moments, those sharded over the ranks that hold the same weights "
+                                      "(dp × cp)"),
                            ("activations", "34 · s · b · h bytes a layer and micro-batch (2 · s · b · h with "
                                            "recomputation), over tp × cp, for ⌈layers / pp⌉ layers and the "
                                            "micro-batches 1F1B's first stage holds, min(pp, micro-batches)")):
