@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
-from ..timeline import span
+from ..timeline import _now, span
 
 AXES = ("pp", "dp", "tp")
 MESHES = {"DP×TP": (1, 2, 2), "DP×PP": (2, 2, 1), "TP×PP": (2, 1, 2)}  # (pp, dp, tp) on 4 ranks
@@ -233,9 +233,8 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
     over a simulated link. Returns each step's loss as the step returned
     it, the first step's gradients of this rank's shards, the collectives it issued ("op bytes on ranks"),
     the bytes each micro-batch's forward kept and the most held at once, the bytes of weights and gradients the
-    rank held after the first step, and each step's seconds."""
-    import time
-
+    rank held after the first step, and each step's seconds on the timeline's clock (over ``link``, each
+    collective lasting what the link's model says, Gloo's own time left out, as the timeline draws it)."""
     import torch.distributed as dist
 
     from ..comm import to_device, watched
@@ -252,11 +251,11 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
     for step in range(steps):
         x, y = to_device(*batch(s["rows"], s["width"], step, seed))
         start_recording() if step == steps - 1 else dist.barrier()  # the timeline holds the last step
-        t0 = time.perf_counter()
         with comm.simulated(link):
+            t0 = _now()  # the timeline's clock: over a simulated link, the link's time in place of Gloo's own
             loss, done = watched(train_step, kit, x, y, dict(groups), s["micro_batches"], groups=True)
             comm.synchronize()
-        seconds.append(time.perf_counter() - t0)
+            seconds.append((_now() - t0) / 1e9)
         losses.append(loss.detach().item() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss)
         if grads is None:
             grads, ops = [[None if t.grad is None else t.grad.detach().clone() for t in b] for b in kit.blocks], done
@@ -346,7 +345,8 @@ def ranking(measured: dict[str, list[float]], planned: dict[str, float]) -> tupl
 
 def measure_meshes(cluster, train_step, steps: int | None = None) -> tuple[dict, dict, float]:
     """``train_step`` on each 2×2 mesh over ``TOY_LINK`` on the model ``RANKED``, the last mesh's last step left
-    on the cluster's timeline: ({mesh: each timed step's seconds, the slowest rank's, after a warm-up},
+    on the cluster's timeline: ({mesh: each timed step's seconds in order, the slowest rank's on the timeline's
+    clock, after a warm-up},
     {mesh: the planner's modelled seconds}, one process's measured seconds that the model shares out)."""
     from ..paths import quick
 

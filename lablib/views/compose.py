@@ -85,9 +85,22 @@ def plan_figure(plans: dict):
 
 
 def plan_table(rows: list[dict], count: int = 5) -> str:
-    """The ``count`` fastest layouts that fit, with the terms of their step time."""
-    lines = [f"{'layout':58} {'GB':>6} {'step s':>7} {'compute':>8} {'tp':>6} {'cp':>6} {'bubble':>7} {'dp':>6}"]
+    """The ``count`` fastest layouts that fit, with their memory, the terms of their step time and its MFU."""
+    lines = [f"{'layout':62} {'memory GB':>9} {'step s':>7} {'compute s':>9} {'TP s':>6} {'CP s':>6} {'bubble s':>8} "
+             f"{'DP s':>6} {'MFU %':>6}"]
     for r in [r for r in rows if r["fits"]][:count]:
-        lines.append(f"{describe(r['layout']):58} {r['memory'] / 1e9:6.1f} {r['total']:7.2f} {r['compute']:8.2f} "
-                     f"{r['tp']:6.2f} {r['cp']:6.2f} {r['bubble']:7.2f} {r['dp']:6.2f}")
+        lines.append(f"{describe(r['layout']):62} {r['memory'] / 1e9:9.1f} {r['total']:7.2f} {r['compute']:9.2f} "
+                     f"{r['tp']:6.2f} {r['cp']:6.2f} {r['bubble']:8.2f} {r['dp']:6.2f} {100 * r['mfu']:6.1f}")
+    return "\n".join(lines)
+
+
+def gap_table(rows: dict) -> str:
+    """``planner.against_published``'s rows: each layout's modelled terms and MFU beside Llama 3's published MFU,
+    the step it implies and the seconds in none of the model's terms."""
+    lines = [f"{'Llama 3 405B':18} {'compute s':>9} {'TP s':>5} {'CP s':>5} {'bubble s':>8} {'DP s':>5} {'step s':>7} "
+             f"{'MFU %':>6} | {'published MFU %':>15} {'its step s':>10} {'in no term s':>12}"]
+    for title, r in rows.items():
+        lines.append(f"{title:18} {r['compute']:9.2f} {r['tp']:5.2f} {r['cp']:5.2f} {r['bubble']:8.2f} {r['dp']:5.2f} "
+                     f"{r['total']:7.2f} {100 * r['mfu']:6.1f} | {100 * r['published']:15.0f} {r['their_step']:10.2f} "
+                     f"{r['missing']:6.2f} ({r['missing'] / r['their_step']:.0%})")
     return "\n".join(lines)
