@@ -521,6 +521,29 @@ def test_a_check_cell_without_a_readable_check_call_is_the_instructors_error(tmp
     assert proc.returncode == 2 and "graded cell check-0.1 holds no check call" in proc.stderr
 
 
+def test_copy_flags_leave_out_the_code_a_stub_dictates():
+    """A copy of a solution is flagged only where the solution is more than its stub spells out: the tiny lab's
+    three are of substance; a one-line body, or one of a few lines whose every name the stub's comment,
+    docstring or task text gives, is what an honest learner writes too."""
+    from lablib.course.exercises import dictated
+
+    nb = _source()
+    assert dictated(nb) == set()
+    nb.cells[2].source = nb.cells[2].source.replace("Task 0.1: the mean over ranks",
+                                                    "Task 0.1: lablib.all_reduce(x), then x / dist.get_world_size()")
+    nb.cells[6].source = nb.cells[6].source.replace(  # every name the ring calls, but a loop of 11 statements
+        "Task 2.1: a blocking ring", "Task 2.1: get_rank, get_world_size, view, copy_, then send and recv")
+    nb.cells[7:7] = [
+        new_code_cell("def world():\n    ### BEGIN SOLUTION Task 0.2: the number of ranks\n"
+                      "    return dist.get_world_size()\n    ### END SOLUTION"),
+        new_markdown_cell("**Task 0.3.** Write `doubled(x)`: `lablib.all_reduce(x)` and return `x.mul(2)`."),
+        new_code_cell("def doubled(x):\n    ### BEGIN SOLUTION Task 0.3\n    lablib.all_reduce(x)\n"
+                      "    return x.mul(2)\n    ### END SOLUTION"),
+        new_code_cell("def tripled(x):\n    ### BEGIN SOLUTION Task 0.4: all_reduce, then times 3\n"
+                      "    lablib.all_reduce(x)\n    return x.mul(3)\n    ### END SOLUTION")]  # mul: its own knowledge
+    assert dictated(nb) == {"mean_across_ranks", "world", "doubled"}
+
+
 def test_solved_sources_follow_the_exercise_rules():
     """Every solution in the course's sources passes the rules its check applies."""
     from lablib.course.exercises import Exercise, check_calls, refusal, solutions
@@ -560,6 +583,10 @@ def test_the_course_itself(tmp_path):
         else:
             assert (it.status, it.points) == ("failed", 0) and "is not done yet" in it.detail, (item, it.detail)
     assert all(lab.flags for lab in results if lab.learner == "solved")
+    # lab 07's route and autograd_all_to_all are what their stubs spell out: not flagged; its layer is
+    experts = " ".join(f for lab in results if lab.learner == "solved" and lab.lab == "07_experts" for f in lab.flags)
+    assert "moe_dense matches" in experts and "route matches" not in experts, experts
+    assert "autograd_all_to_all matches" not in experts, experts
 
 
 def _grade_cli(root, *args):

@@ -218,6 +218,64 @@ def solutions(nb) -> dict[str, ast.FunctionDef | ast.ClassDef]:
     return out
 
 
+def _comments(source: str) -> list[str]:
+    import tokenize
+
+    out = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                out.append(tok.string)
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return out
+
+
+def _needs(node) -> tuple[set[str], int, int]:
+    """What a solution's body takes knowing: the functions, methods and attributes it reads (not its own
+    parameters and locals, the exercise namespace's modules or Python's builtins); its statements and nodes."""
+    body = [s for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef)) for s in n.body
+            if not isinstance(s, (ast.FunctionDef, ast.ClassDef)) and not (isinstance(s, ast.Expr) and isinstance(
+                s.value, ast.Constant))]
+    inner = [n for s in body for n in ast.walk(s)]
+    own = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}
+    own |= {n.id for n in inner if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    own |= {n.attr for n in inner if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    used = {n.id for n in inner if isinstance(n, ast.Name)} | {n.attr for n in inner if isinstance(n, ast.Attribute)}
+    statements = sum(isinstance(n, ast.stmt) for n in inner)
+    return used - own - GLOBALS - SAFE_BUILTINS, statements, sum(not isinstance(n, ast.expr_context) for n in inner)
+
+
+def dictated(nb) -> set[str]:
+    """The solutions of a source notebook that an honest learner's code may equal, since the stub dictates them
+    (not flagged as copies): a body of one simple statement of a dozen nodes at most, or of at most 3 statements
+    every name of which (beyond its own parameters and locals, the notebook's modules, builtins) is in the stub's
+    text: its BEGIN SOLUTION comment, comments and docstrings, or the markdown just before the exercise cell. A
+    solution of substance (a loop, more statements, a method the text never names) is flagged when copied."""
+    import re
+
+    out, prose = set(), []
+    for cell in nb["cells"]:
+        source = cell.get("source", "")
+        if cell.get("cell_type") == "markdown":
+            prose.append(source)
+            continue
+        tree = _parse(source) if "### BEGIN SOLUTION" in source else None
+        lines = source.split("\n")
+        for node in tree.body if tree else ():
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                continue
+            segment = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            text = " ".join(_comments(segment) + prose + [ast.get_docstring(n) or "" for n in ast.walk(node)
+                                                          if isinstance(n, (ast.FunctionDef, ast.ClassDef))])
+            needs, statements, size = _needs(node)
+            trivial = isinstance(node, ast.FunctionDef) and statements == 1 and size <= 12  # a loop has 2 or more
+            if trivial or (statements <= 3 and needs <= set(re.findall(r"[A-Za-z_]\w*", text))):
+                out.add(node.name)
+        prose = []
+    return out
+
+
 def check_modules(nb) -> dict[str, str]:
     """{name: checks module} from the ``from lablib.checks.labNN import ...`` lines of a trusted notebook."""
     out = {}

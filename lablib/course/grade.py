@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import CheckFailed
-from .exercises import check_calls, exercise_code, normalised, refusal, solutions
+from .exercises import check_calls, dictated, exercise_code, normalised, refusal, solutions
 from .gradebook import Item, LabResult, merge, read_rows, reports_dir, rows, write_report, write_rows
 from .limits import CHECK_TIMEOUT, TIME_LIMIT
 from .notebook import ANSWERS
@@ -109,7 +109,7 @@ class Course:
     releases: dict
     calls: dict            # notebook name -> {grade_id: [Call]}
     points: dict           # notebook name -> {grade_id: points}
-    solutions: dict        # notebook name -> {function name: ast.FunctionDef}
+    solutions: dict        # notebook name -> {function name: its solution's code}, those the stub does not dictate
     banks: dict
     seed: int
     check_timeout: float
@@ -152,7 +152,10 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
                     check_timeout, time_limit)
     for name, nb in releases.items():
         course.calls[name], course.points[name] = check_calls(nb, sources.get(name), seed)
-        course.solutions[name] = solutions(sources[name]) if name in sources else {}
+        # the solutions a copy of which is flagged: not those the stub dictates
+        free = dictated(sources[name]) if name in sources else set()
+        course.solutions[name] = {f: code for f, code in solutions(sources[name]).items() if f not in free} \
+            if name in sources else {}
     done: dict[Path, list[LabResult]] = {}
     lock = threading.Lock()
     write_rows(keep, out)  # a shard with no learners still has its gradebook
