@@ -81,6 +81,37 @@ def test_ring_attention_forward_and_backward_match_single_process_sdpa(cluster, 
         assert r["ops"] == [f"send {2 * chunk}", f"recv {2 * chunk}"] * (n - 1)
 
 
+def _allgather_job(layout, causal):
+    from lablib.strategies.context_parallel import allgather_attention
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    q, k, v = lablib.to_device(*qkv(*SHAPE, seed=5))
+    every = [lablib.to_device(positions(layout, s, n, SHAPE[2])) for s in range(n)]
+    (out, lse), ops = comm.watched(allgather_attention, *[t[..., every[r], :].contiguous() for t in (q, k, v)],
+                                   every, causal)
+    return {"pos": every[r], "out": out, "lse": lse, "ops": ops}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_allgather_attention_llama3s_matches_single_process_sdpa(cluster, layout, causal):
+    results = cluster.run(_allgather_job, layout, causal)
+    q, k, v = qkv(*SHAPE, seed=5)
+    assert (_whole(results, "out") - reference(q, k, v, causal)).abs().max() < TOL
+    chunk = SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3] // cluster.world_size * 4
+    for r in results:  # one all-gather of this rank's K and V, nothing else
+        assert r["ops"] == [f"all_gather {2 * chunk}"]
+
+
+def test_allgather_sends_the_rings_bytes_and_holds_p_chunks():
+    from lablib.strategies.context_parallel import kv_held, ring_bytes
+
+    for n in (2, 4, 8):
+        sent, held = ring_bytes(1024, 8, 32, n), kv_held(1024, 8, 32, n)
+        assert sent["all-gather"] == sent["ring"] == 2 * (n - 1) * 1024 // n * 8 * 32 * 4
+        assert held["all-gather"] == n * held["all-to-all"] == n / 2 * held["ring"]
+
+
 def test_zigzag_evens_out_causal_work():
     for n in (2, 4):
         contiguous, zigzag = work_per_rank("contiguous", n, 64), work_per_rank("zigzag", n, 64)

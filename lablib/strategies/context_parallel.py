@@ -5,7 +5,9 @@ log-sum-exp of its scores; blocks then merge exactly (the online softmax of Mila
 arXiv:1805.02867, and FlashAttention, Dao et al. 2022, arXiv:2205.14135). Ring attention (Liu et al.
 2023, arXiv:2310.01889) keeps each rank's queries and passes the key/value chunks around the ring; the
 all-to-all of DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509) instead trades the sequence split
-for a split by heads around a local attention.
+for a split by heads around a local attention. Llama 3 (Dubey et al. 2024, arXiv:2407.21783, §3.3.2) ran neither:
+each rank all-gathers every rank's K and V once and attends its (zig-zag) queries to all of them
+(``allgather_attention``), as PyTorch's ``context_parallel`` does by default.
 
 Here: one block's attention (``attend``) with positions, so a causal mask holds across chunks, the
 layouts (which positions each rank holds: contiguous or zig-zag), the work a layout gives each rank,
@@ -132,14 +134,34 @@ def reference_lse(q, k, causal: bool):
 BIG = dict(batch=1, heads=8, tokens=2048, dim=32)  # the measured sequence: 2048 tokens, 8 heads of 32
 
 
+def allgather_attention(q, k, v, positions, causal: bool, group=None):
+    """Llama 3's context parallelism: this rank's queries against every rank's keys and values, gathered
+    once. ``positions[r]``: the positions rank r holds (zig-zag balances the causal work, as Llama 3 did).
+    Returns (out, lse). Each rank then holds the whole sequence's K and V, P times the ring's chunk, and the
+    all-gather hides under nothing: attention waits for it (PyTorch's default "allgather" rotation posts it
+    before attending to the rank's own chunk, so it can hide under that one block)."""
+    import torch.distributed as dist
+
+    from .. import comm
+
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.stack([k, v])                                               # (2, B, H, T/P, D)
+    every = mine.new_empty((n * 2,) + tuple(mine.shape[1:]))                 # (P·2, B, H, T/P, D)
+    comm.all_gather(every, mine, group=group, name="all-gather K/V")
+    B, H, t, D = k.shape
+    every = every.view(n, 2, B, H, t, D)                                     # rank r's K and V at [r]
+    keys, values = (every[:, i].permute(1, 2, 0, 3, 4).reshape(B, H, n * t, D) for i in (0, 1))  # rank order
+    return attend(q, keys, values, positions[r], torch.cat(list(positions)), causal)
+
+
 def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2, ulysses: bool = False,
-             link=None, **size) -> dict:
+             link=None, output: bool = False, **size) -> dict:
     """``steps`` forwards of ring attention ``fn(q, k, v, positions, causal)`` (``ulysses``: all-to-all
     attention ``fn(q, k, v, causal)``, contiguous) on this rank's part of the ``BIG`` sequence (``size``
     overrides it), after a warm-up; the timeline records the last. ``link``: messages over a simulated
     link (``comm.LINKS``). Returns the seconds of each step, the CPU seconds this rank's thread spent in
     the last (its compute, whether or not it had a core to itself) and its attention work (causal
-    query-key pairs)."""
+    query-key pairs); ``output``: also the last step's output and this rank's positions (CPU)."""
     import torch.distributed as dist
 
     from .. import comm
@@ -150,10 +172,40 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
     every = [comm.to_device(positions(layout, p, n, s["tokens"])) for p in range(n)]
     q, k, v = (comm.to_device(t[..., every[r], :].contiguous())
                for t in qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
-    seconds, cpu, _ = timed_steps(steps, link, lambda: fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal))
+    seconds, cpu, out = timed_steps(steps, link, lambda: fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal))
     whole = torch.arange(s["tokens"])
     return {"seconds": seconds, "cpu": cpu,
-            "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"]}
+            "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"],
+            **({"out": (out[0] if isinstance(out, tuple) else out).cpu(), "rows": every[r].cpu()} if output else {})}
+
+
+def versus_sdpa(results, causal: bool, **size) -> float:
+    """The largest difference between the ranks' outputs (``ring_job(..., output=True)``), put back in
+    sequence order, and PyTorch's SDPA on the whole ``BIG`` sequence (``size`` overrides it)."""
+    s = {**BIG, **size}
+    q, k, v = qkv(s["batch"], s["heads"], s["tokens"], s["dim"])
+    want = reference(q, k, v, causal)
+    got = torch.empty_like(want)
+    for r in results:
+        got[..., r["rows"], :] = r["out"]
+    return (got - want).abs().max().item()
+
+
+def median_run(cluster, fn, layout: str, causal: bool, runs: int = 3, **kwargs):
+    """``runs`` separate runs of one timed step each (``ring_job``, after its warm-up), and the one whose
+    step (its slowest rank) took the median time: (its per-rank results, its timeline, its step's seconds).
+    The timeline drawn is then the step whose time is printed."""
+    done = []
+    for _ in range(runs):
+        results = cluster.run(ring_job, fn, layout, causal, 1, **kwargs)
+        done.append((max(r["seconds"][0] for r in results), results, cluster.timeline()))
+    seconds, results, timeline = sorted(done, key=lambda d: d[0])[len(done) // 2]
+    return results, timeline, seconds
+
+
+def transfer_seconds(timeline) -> list[float]:
+    """How long each send of ``timeline`` took, from posted to delivered (seconds)."""
+    return [s.duration for s in timeline.spans if s.kind == "comm" and s.meta.get("op") == "send"]
 
 
 def saved_job(fn, tokens: int, heads: int = 4, dim: int = 32, causal: bool = True) -> int:
@@ -201,15 +253,63 @@ def kept_for_recompute(tokens: int, world_size: int, heads: int = 4, dim: int = 
     return 4 * rows * heads * dim * 4 + rows * heads * 4
 
 
+def three_ways(cluster, ring, ulysses, layout: str = "zigzag", causal: bool = True) -> list[dict]:
+    """Ring attention ``ring``, all-to-all attention ``ulysses`` (contiguous, its layout) and
+    ``allgather_attention`` on ``cluster``, one forward of the ``BIG`` sequence each: per way, rank 0's bytes
+    sent (measured, from the timeline; and by formula), the K/V a rank holds (counted) and the share of the
+    ranks' communication that ran under attention (measured), for ``views.context_parallel.three_ways``."""
+    from ..overlap import hidden_fraction
+    from ..traffic import bytes_sent
+
+    n, s = cluster.world_size, BIG
+    sent, held = (f(s["tokens"], s["heads"], s["dim"], n, s["batch"]) for f in (ring_bytes, kv_held))
+    rows = []
+    for name, fn, a2a in (("ring", ring, False), ("all-to-all", ulysses, True), ("all-gather", allgather_attention, False)):
+        cluster.run(ring_job, fn, "contiguous" if a2a else layout, causal, 1, a2a)
+        timeline = cluster.timeline()
+        rows.append({"way": name, "sent": bytes_sent(timeline, rank=0), "formula": sent[name], "held": held[name],
+                     "hidden": hidden_fraction(timeline)})
+    return rows
+
+
 def ring_bytes(tokens: int, heads: int, dim: int, world_size: int, batch: int = 1) -> dict:
     """Bytes one rank sends in a forward, by formula (fp32): the ring passes its K and V chunk P-1 times;
-    all-to-all attention sends (P-1)/P of its q, k, v and output chunks once each."""
+    all-to-all attention sends (P-1)/P of its q, k, v and output chunks once each; the all-gather (a ring
+    all-gather, as Gloo's and NCCL's) passes P-1 K/V chunks too, the ring's bytes in one collective."""
     chunk = batch * heads * tokens // world_size * dim * 4
-    return {"ring": 2 * chunk * (world_size - 1), "all-to-all": 4 * chunk * (world_size - 1) / world_size}
+    return {"ring": 2 * chunk * (world_size - 1), "all-to-all": 4 * chunk * (world_size - 1) / world_size,
+            "all-gather": 2 * chunk * (world_size - 1)}
+
+
+def kv_held(tokens: int, heads: int, dim: int, world_size: int, batch: int = 1) -> dict:
+    """Bytes of keys and values a rank holds at once for its attention, counted (fp32): the ring, the chunk
+    it attends to and the one arriving (2 chunks); all-to-all attention, every token of its H/P heads (one
+    chunk's worth); the all-gather, every rank's chunk (P chunks: the whole sequence's K and V)."""
+    chunk = 2 * batch * heads * tokens // world_size * dim * 4
+    return {"ring": 2 * chunk, "all-to-all": chunk, "all-gather": world_size * chunk}
+
+
+# Llama 3 405B at 128k tokens (Dubey et al. 2024, Table 4: CP 16): 128 query heads, 8 key/value heads of 128
+LLAMA3_405B = dict(tokens=131072, cp=16, heads=128, kv_heads=8, dim=128)
+H100_BF16 = 989e12  # FLOP/s, dense BF16, H100 SXM datasheet
+NIC = 50e9          # bytes/s: one 400 Gb/s NIC a GPU, as Llama 3's RoCE fabric
+
+
+def gqa_allgather(tokens: int, cp: int, heads: int, kv_heads: int, dim: int) -> dict:
+    """Modelled, one layer's forward on one GPU (tensor parallelism divides both terms alike): the bytes of
+    K and V its all-gather receives, (P-1)/P x 2 x T x kv_heads x d x 2 (BF16), and the FLOPs of its causal
+    attention, 2 x T x T x heads x d / P (Q·Kᵀ and P·V, 2 FLOPs a multiply-add, half the pairs causal), with
+    their times at the H100's datasheet peak and one 400 Gb/s NIC (``H100_BF16``, ``NIC``)."""
+    received = (cp - 1) / cp * 2 * tokens * kv_heads * dim * 2
+    flops = 2 * tokens * tokens * heads * dim / cp
+    return {"bytes": received, "flops": flops, "comm_s": received / NIC, "attention_s": flops / H100_BF16}
 
 
 def modelled_activations(tokens: int, world_size: int, hidden: int = 4096, layers: int = 32) -> float:
-    """Modelled bytes of activations a GPU holds for one sequence of ``tokens``: Korthikanti et al.'s 34·s·h
-    bytes per layer (BF16, no T x T matrix kept, as FlashAttention and ring attention keep none), split by
-    context parallelism over ``world_size`` GPUs. An 8B-parameter Llama-like model: h = 4096, 32 layers."""
+    """Modelled bytes of activations a GPU holds for one sequence of ``tokens``, activations only: Korthikanti
+    et al.'s 34·s·b·h bytes per layer (b = 1), their count for a GPT-style layer in 16-bit (BF16) without the
+    5·a·s²·b of the attention matrices, which FlashAttention and ring attention never keep, split by context
+    parallelism over ``world_size`` GPUs; h = 4096 and 32 layers, an 8B model's sizes. A Llama layer (SwiGLU,
+    grouped-query attention, no dropout) keeps a different amount; weights, gradients and optimizer state
+    come on top."""
     return 34 * tokens * hidden * layers / world_size

@@ -1,39 +1,91 @@
-"""Lab 06's figures: each rank's attention work and CPU time, contiguous against zig-zag, and the
-activation memory a rank holds against the sequence length at 1, 2 and 4 ranks."""
+"""Lab 06's figures and printed lines: each rank's attention work and CPU time, contiguous against zig-zag;
+the activation memory a rank holds against the sequence length at 1, 2 and 4 ranks; what the ring's sends
+took; the ring, all-to-all and all-gather attention side by side; and the backend every measurement ran on."""
 from __future__ import annotations
 
+import statistics
 
-def work_figure(runs: dict):
+# One hue per P, shared by that P's two lines (what autograd keeps, what recomputation keeps)
+P_COLOURS = {1: "#4C78A8", 2: "#F58518", 4: "#54A24B", 8: "#B279A2"}
+
+
+def backend(cluster) -> str:
+    """The backend the cluster's collectives ran on, as a label says it: "Gloo" or "NCCL"."""
+    return {"nccl": "NCCL", "gloo": "Gloo"}.get(str(cluster.backend).lower(), str(cluster.backend))
+
+
+def measured(cluster) -> str:
+    """ "measured, Gloo" (or NCCL): what a label says of a number taken on this cluster."""
+    return f"measured, {backend(cluster)}"
+
+
+def sends(seconds: list[float], cluster) -> str:
+    """One line on the sends of a drawn timeline (``strategies.context_parallel.transfer_seconds``)."""
+    if not seconds:
+        return "no sends in this timeline"
+    ms = sorted(s * 1e3 for s in seconds)
+    return (f"a K/V chunk's send took {statistics.median(ms):.1f} ms, the median of the {len(ms)} sends drawn below "
+            f"({ms[0]:.1f} to {ms[-1]:.1f} ms; {measured(cluster)}, posted to delivered)")
+
+
+def _log_ticks(values) -> dict:
+    """Plain-number ticks for a log axis spanning ``values`` (1, 3, 10, 30, ... instead of 1e+06)."""
+    low, high = min(values), max(values)
+    ticks, decade = [], 10.0 ** -4
+    while decade <= high * 10:
+        ticks += [t for t in (decade, 3 * decade) if low / 3 <= t <= high * 3]
+        decade *= 10
+    return dict(tickvals=[float(f"{t:g}") for t in ticks], ticktext=[f"{t:g}" for t in ticks])
+
+
+def work_figure(runs: dict, cluster=None):
     """``runs``: {layout: (per-rank work, per-rank CPU seconds)}: two bar charts side by side. CPU time, not
     the timeline's wall time: ranks that share cores take turns, and wall time would show the turns."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    how = measured(cluster) if cluster is not None else "measured"
     fig = make_subplots(1, 2, subplot_titles=("attention work (query-key pairs, counted)",
-                                              "CPU time in the step, ms (measured)"))
+                                              f"CPU time in the step, ms ({how})"))
     colours = {"contiguous": "#E45756", "zigzag": "#4C78A8"}
     for layout, (work, seconds) in runs.items():
         x = [f"rank {r}" for r in range(len(work))]
         fig.add_trace(go.Bar(name=layout, x=x, y=work, marker_color=colours.get(layout), legendgroup=layout), 1, 1)
         fig.add_trace(go.Bar(name=layout, x=x, y=[s * 1e3 for s in seconds], marker_color=colours.get(layout),
                              legendgroup=layout, showlegend=False), 1, 2)
-    fig.update_layout(barmode="group", height=340, margin=dict(t=60, b=40), legend=dict(orientation="h", y=-0.15),
+    fig.update_layout(barmode="group", height=360, margin=dict(t=90, b=40), legend=dict(orientation="h", y=-0.15),
                       title="Causal ring attention: each rank's share of the work")
     return fig
 
 
 def memory_figure(rows: list[dict]):
     """``rows``: {"P", "tokens", "saved", "kept"}: activation bytes per rank against the sequence length,
-    one line per P (measured: what autograd keeps through the ring; and what Task 6.3's recompute keeps)."""
+    one hue per P (measured: what autograd keeps through the ring, solid; what Task 6.3's recompute keeps,
+    counted, dotted)."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     for p in sorted({r["P"] for r in rows}):
         mine = [r for r in rows if r["P"] == p]
-        fig.add_trace(go.Scatter(x=[r["tokens"] for r in mine], y=[r["saved"] / 2**20 for r in mine], mode="lines+markers",
-                                 name=f"P = {p}, what autograd keeps (measured)"))
-        fig.add_trace(go.Scatter(x=[r["tokens"] for r in mine], y=[r["kept"] / 2**20 for r in mine], mode="lines+markers",
-                                 line=dict(dash="dot"), name=f"P = {p}, recompute from lse (counted)"))
-    fig.update_layout(title="Activation memory per rank for one attention layer", xaxis_title="sequence length (tokens)",
-                      yaxis_title="MiB per rank (log scale)", yaxis_type="log", height=380, margin=dict(t=50))
+        colour = P_COLOURS.get(p)
+        for key, what, dash, symbol in (("saved", "autograd keeps (measured)", "solid", "circle"),
+                                        ("kept", "recompute from lse keeps (counted)", "dot", "diamond-open")):
+            fig.add_trace(go.Scatter(x=[r["tokens"] for r in mine], y=[r[key] / 2**20 for r in mine],
+                                     mode="lines+markers", name=f"P = {p}: {what}", legendgroup=f"P{p}",
+                                     line=dict(color=colour, dash=dash), marker=dict(color=colour, symbol=symbol)))
+    values = [r[k] / 2**20 for r in rows for k in ("saved", "kept")]
+    fig.update_yaxes(type="log", title="MiB per rank (log scale)", **_log_ticks(values))
+    fig.update_xaxes(title="sequence length (tokens)", tickvals=sorted({r["tokens"] for r in rows}))
+    fig.update_layout(title="Activation memory per rank for one attention layer", height=420, margin=dict(t=90))
     return fig
+
+
+def three_ways(rows: list[dict], cluster) -> str:
+    """A table of ``strategies.context_parallel.three_ways``: bytes rank 0 sent (measured, and the formula),
+    the K/V a rank holds (counted) and the share of communication hidden under attention (measured)."""
+    lines = [f"{'':11}{'sent by rank 0, MiB':>22}{'by formula':>12}{'K/V held, MiB':>15}{'hidden':>12}",
+             f"{'':11}{'(' + measured(cluster) + ')':>22}{'':>12}{'(counted)':>15}{'(measured)':>12}"]
+    for r in rows:
+        lines.append(f"{r['way']:11}{r['sent'] / 2**20:22.2f}{r['formula'] / 2**20:12.2f}{r['held'] / 2**20:15.2f}"
+                     f"{r['hidden']:12.0%}")
+    return "\n".join(lines)
