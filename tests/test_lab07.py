@@ -154,6 +154,19 @@ def test_a_hot_experts_rank_computes_most_and_every_rank_records_its_layer(clust
         assert sum(n.startswith("all_to_all") for n in names) == 3  # counts, dispatch, combine
         assert sum(n.startswith("expert ") for n in names) == 8 // cluster.world_size
         assert ep.bytes_matrix(timeline)[r] == [c * 64 * 4 for c in results[r]["to_rank"]]
+    waits = ep.combine_wait(timeline)
+    assert len(waits) == cluster.world_size and all(w >= 0 for w in waits)
+    assert all(r["cpu"] > 0 for r in results)
+
+
+def test_the_all_gather_dispatcher_sends_every_token_and_every_output(cluster):
+    n, T, dim, k = cluster.world_size, 64, 32, 2
+    runs = ep.dispatchers(cluster, A.moe_layer, A.route, rounds=2, steps=1, tokens=T, dim=dim, hidden=32)
+    assert [len(r) for run in runs.values() for r in run["steps"]] == [1] * 4
+    # each other rank gets rank 0's tokens, gates (fp32) and experts (int64); the reduce-scatter returns P-1 rows of T
+    assert runs["all_gather"]["sent"] == (n - 1) * T * (2 * dim * 4 + k * (4 + 8))
+    if n > k:  # P/k times the rows: the all-to-all sends fewer
+        assert runs["all_to_all"]["sent"] < runs["all_gather"]["sent"]
 
 
 # -- the checks: lablib's answers pass; typical mistakes are named ---------------------------------------------

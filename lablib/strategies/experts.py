@@ -94,8 +94,9 @@ def moe_job(fn, skew: float = 0.0, steps: int = 2, link=None, dispatcher: str = 
     """``steps`` forwards of the MoE layer ``fn(x, router, w1, w2, k[, capacity_factor])`` on this rank's ``BIG``
     tokens (``size`` overrides), after a warm-up; the timeline records the last. ``dispatcher="all_gather"``
     runs ``allgather_moe`` instead. ``link``: collectives over a simulated link. Returns each step's seconds,
-    the tokens each of this rank's experts computed, and the assignments this rank's tokens have on each
-    rank (by ``route``, the router)."""
+    the CPU seconds this rank's thread spent in the last (its own work, whether or not it had a core to
+    itself), the tokens each of this rank's experts computed, and the assignments this rank's tokens have on
+    each rank (by ``route``, the router)."""
     import torch.distributed as dist
 
     from .. import comm
@@ -108,12 +109,44 @@ def moe_job(fn, skew: float = 0.0, steps: int = 2, link=None, dispatcher: str = 
     x, router, w1, w2 = comm.to_device(x, router, local(w1, r, n), local(w2, r, n))
     extra = () if capacity_factor is None else (capacity_factor,)
     layer_fn, args = (allgather_moe, (route,)) if dispatcher == "all_gather" else (fn, extra)
-    seconds, _, (_, rows) = timed_steps(steps, link, lambda: rows_of(layer_fn, x, router, w1, w2, s["k"], *args))
+    seconds, cpu, (_, rows) = timed_steps(steps, link, lambda: rows_of(layer_fn, x, router, w1, w2, s["k"], *args))
     to_rank = None
     if route is not None:
         chosen = route(x, router, s["k"])[1]
         to_rank = torch.bincount(chosen.flatten() // (s["experts"] // n), minlength=n).tolist()
-    return {"seconds": seconds, "rows": rows, "to_rank": to_rank}
+    return {"seconds": seconds, "cpu": cpu, "rows": rows, "to_rank": to_rank}
+
+
+def combine_wait(timeline, which: int = 2) -> list[float]:
+    """Seconds each rank of a recorded forward waited in its ``which``-th all-to-all (2: the combine, after
+    the counts and the dispatch) before data moved: from entering it until its last peer had."""
+    from ..overlap import phases
+
+    cut = phases(timeline.spans, timeline.world_size)
+    out = []
+    for r in range(timeline.world_size):
+        mine = sorted((s for s in timeline.spans if s.rank == r and s.kind == "comm" and "to" in s.meta),
+                      key=lambda s: s.start)
+        out.append(cut[id(mine[which])][1] - mine[which].start if len(mine) > which else 0.0)
+    return out
+
+
+def dispatchers(cluster, fn, route, rounds: int | None = None, steps: int | None = None, **size) -> dict:
+    """Both dispatchers on the even routing, one after the other, ``rounds`` times (3; 2 under LABLIB_QUICK)
+    of ``steps`` timed layers each (3; 2), on the slowest rank: {name: {"steps": each round's seconds,
+    "sent": bytes rank 0 sent in a layer}}. Alternating them spreads a busy moment of the machine over both.
+    ``size`` overrides ``BIG``."""
+    from .. import comm
+    from ..paths import quick
+    from .prefetch import step_times
+
+    rounds, steps = rounds or (2 if quick() else 3), steps or (2 if quick() else 3)
+    out = {name: {"steps": [], "sent": 0.0} for name in ("all_to_all", "all_gather")}
+    for _ in range(rounds):
+        for name, row in out.items():
+            row["steps"].append(step_times(cluster.run(moe_job, fn, 0.0, steps, None, name, route, **size)))
+            row["sent"] = comm.bytes_sent(cluster.timeline(), rank=0)
+    return out
 
 
 def balance_run(route, dense, balance_loss, alpha: float, steps: int = 100, skew: float = 2.0, experts: int = 8,
@@ -188,7 +221,8 @@ def modelled_dispatch(tokens_per_gpu: int, dim: int, k: int, gpus: int, link_byt
 
 def modelled_experts(tokens_per_gpu: int, dim: int, hidden: int, k: int, flops_per_s: float) -> float:
     """Seconds of one GPU's expert compute, forward, modelled: each of its k·tokens assignments (even routing)
-    through two matmuls, 2·dim·hidden multiply-adds each, at ``flops_per_s``."""
+    through two matmuls, dim·hidden multiply-adds each, 2·dim·hidden FLOPs (a multiply-add is two), at
+    ``flops_per_s``."""
     return tokens_per_gpu * k * 2 * (2 * dim * hidden) / flops_per_s
 
 

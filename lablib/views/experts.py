@@ -1,5 +1,6 @@
-"""Lab 07's figures: the tokens each expert computed at each capacity factor, the load while training with
-and without the balancing loss, and the bytes each rank sent each rank in a dispatch."""
+"""Lab 07's figures: each rank's CPU time and wait in a layer, the tokens each expert computed at each
+capacity factor, the load while training with and without the balancing loss, and the bytes each rank sent
+each rank in a dispatch."""
 from __future__ import annotations
 
 
@@ -43,8 +44,28 @@ def bytes_figure(matrix: list[list[int]], title: str):
 
     n = len(matrix)
     kib = [[b / 1024 for b in row] for row in matrix]
-    fig = go.Figure(go.Heatmap(z=kib, x=[f"to rank {j}" for j in range(n)], y=[f"rank {i}" for i in range(n)],
+    fig = go.Figure(go.Heatmap(z=kib, x=[str(j) for j in range(n)], y=[str(i) for i in range(n)],
                                text=[[f"{v:.0f} KiB" for v in row] for row in kib], texttemplate="%{text}",
-                               colorscale="Blues", colorbar=dict(title="KiB")))
-    fig.update_layout(title=title, height=320, margin=dict(t=50), yaxis_autorange="reversed")
+                               colorscale="Blues", colorbar=dict(title="KiB"),
+                               hovertemplate="from rank %{y} to rank %{x}: %{text}<extra></extra>"))
+    fig.update_layout(title=title, height=340, margin=dict(t=60), xaxis_title="to rank", yaxis_title="from rank",
+                      yaxis_autorange="reversed")
+    return fig
+
+
+def load_figure(runs: dict):
+    """``runs``: {label: (CPU seconds per rank, seconds waiting in the combine per rank)}, both from the drawn
+    step: grouped bars side by side. CPU time, not wall time: ranks that share cores take turns."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(1, 2, subplot_titles=("CPU time in the step, ms (measured)",
+                                              "waiting in the combine, ms (measured)"))
+    for (label, (cpu, wait)), colour in zip(runs.items(), ("#4C78A8", "#E45756")):
+        x = [f"rank {r}" for r in range(len(cpu))]
+        fig.add_trace(go.Bar(name=label, x=x, y=[c * 1e3 for c in cpu], marker_color=colour, legendgroup=label), 1, 1)
+        fig.add_trace(go.Bar(name=label, x=x, y=[w * 1e3 for w in wait], marker_color=colour, legendgroup=label,
+                             showlegend=False), 1, 2)
+    fig.update_layout(barmode="group", height=340, margin=dict(t=70, b=40), legend=dict(orientation="h", y=-0.15),
+                      title="The drawn steps, rank by rank: who computed, who waited")
     return fig
