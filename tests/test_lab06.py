@@ -659,3 +659,52 @@ def test_ulysses_layout_mistakes_are_told_apart(cluster):
         check_ulysses(ulysses_interleaved, cluster)
     with pytest.raises(CheckFailed, match="coming back, rank 0's heads are in the order \\[0, [3-9]"):
         check_ulysses(ulysses_heads_back_interleaved, cluster)
+
+
+# -- the notebook's numbers: each printed figure is the run drawn beside it, each formula its stated count ---------
+def test_the_three_ways_send_their_formulas_and_only_the_ring_can_hide(cluster):
+    from lablib.strategies.context_parallel import three_ways
+
+    rows = {r["way"]: r for r in three_ways(cluster, cp.ring_attention, cp.ulysses_attention, tokens=256)}
+    assert set(rows) == {"ring", "all-to-all", "all-gather"}
+    for r in rows.values():  # measured from the timeline, against the formula
+        assert r["sent"] == pytest.approx(r["formula"])
+    n = cluster.world_size
+    assert rows["all-gather"]["held"] == n * rows["all-to-all"]["held"] == n / 2 * rows["ring"]["held"]
+    assert rows["all-to-all"]["hidden"] == rows["all-gather"]["hidden"] == 0  # attention waits for a blocking collective
+
+
+def test_the_drawn_zigzag_step_is_the_run_whose_results_and_time_are_shown(cluster):
+    from lablib.strategies.context_parallel import median_run
+
+    results, timeline, seconds = median_run(cluster, cp.ring_attention, "zigzag", True, tokens=256)
+    n = cluster.world_size
+    assert seconds == max(r["seconds"][0] for r in results)  # the results shown are that run's
+    sends = [s for s in timeline.spans if s.meta.get("op") == "send"]
+    assert len(sends) == n * (n - 1)  # one step drawn: every rank's P - 1 hops, once
+
+
+def test_the_notebooks_lines_name_their_backend_and_numbers(cluster):
+    from lablib.strategies.context_parallel import LLAMA3_405B, gqa_allgather, modelled_activations
+    from lablib.views import context_parallel as view
+
+    assert view.measured(cluster) == "measured, Gloo"
+    line = view.sends([0.002, 0.010, 0.004], cluster)
+    assert "took 4.0 ms, the median of the 3 sends" in line and "(2.0 to 10.0 ms; measured, Gloo" in line
+    m = gqa_allgather(**LLAMA3_405B)  # 15/16 x 2 x 131072 x 8 x 128 x 2 bytes; 2 x 131072² x 128 x 128 / 16 FLOPs
+    assert m["bytes"] == pytest.approx(503.3e6, rel=1e-3) and m["flops"] == pytest.approx(35.18e12, rel=1e-3)
+    assert gqa_allgather(**{**LLAMA3_405B, "kv_heads": 128})["bytes"] == 16 * m["bytes"]
+    assert modelled_activations(131072, 8) / 1e9 == pytest.approx(73.0, abs=0.1)  # 34 x 131072 x 4096 x 32 / 8
+
+
+def test_the_memory_chart_pairs_each_p_in_one_hue_with_plain_log_ticks():
+    from lablib.views.context_parallel import memory_figure
+
+    rows = [{"P": p, "tokens": t, "saved": 2**20 * t / p, "kept": 2**14 * t / p} for p in (1, 2, 4) for t in (256, 1024)]
+    fig = memory_figure(rows)
+    hues = {}
+    for trace in fig.data:
+        hues.setdefault(trace.legendgroup, set()).add(trace.line.color)
+    assert len(hues) == 3 and all(len(h) == 1 for h in hues.values())  # a P's two lines share one hue
+    assert len({h for hs in hues.values() for h in hs}) == 3             # and the Ps differ
+    assert fig.layout.yaxis.type == "log" and all("e" not in t for t in fig.layout.yaxis.ticktext)

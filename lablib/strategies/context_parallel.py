@@ -253,19 +253,20 @@ def kept_for_recompute(tokens: int, world_size: int, heads: int = 4, dim: int = 
     return 4 * rows * heads * dim * 4 + rows * heads * 4
 
 
-def three_ways(cluster, ring, ulysses, layout: str = "zigzag", causal: bool = True) -> list[dict]:
+def three_ways(cluster, ring, ulysses, layout: str = "zigzag", causal: bool = True, **size) -> list[dict]:
     """Ring attention ``ring``, all-to-all attention ``ulysses`` (contiguous, its layout) and
     ``allgather_attention`` on ``cluster``, one forward of the ``BIG`` sequence each: per way, rank 0's bytes
     sent (measured, from the timeline; and by formula), the K/V a rank holds (counted) and the share of the
-    ranks' communication that ran under attention (measured), for ``views.context_parallel.three_ways``."""
+    ranks' communication that ran under attention (measured), for ``views.context_parallel.three_ways``.
+    ``size`` overrides ``BIG``."""
     from ..overlap import hidden_fraction
     from ..traffic import bytes_sent
 
-    n, s = cluster.world_size, BIG
+    n, s = cluster.world_size, {**BIG, **size}
     sent, held = (f(s["tokens"], s["heads"], s["dim"], n, s["batch"]) for f in (ring_bytes, kv_held))
     rows = []
     for name, fn, a2a in (("ring", ring, False), ("all-to-all", ulysses, True), ("all-gather", allgather_attention, False)):
-        cluster.run(ring_job, fn, "contiguous" if a2a else layout, causal, 1, a2a)
+        cluster.run(ring_job, fn, "contiguous" if a2a else layout, causal, 1, a2a, **size)
         timeline = cluster.timeline()
         rows.append({"way": name, "sent": bytes_sent(timeline, rank=0), "formula": sent[name], "held": held[name],
                      "hidden": hidden_fraction(timeline)})
