@@ -9,6 +9,7 @@ from plotly.subplots import make_subplots
 
 from ..bandwidth import OPS, predict
 from ..strategies.ring import transfers
+from .layout import tidy
 
 
 def ring_explorer(timeline, op: str = "all_gather"):
@@ -53,7 +54,7 @@ def ring_explorer(timeline, op: str = "all_gather"):
         fig.update_layout(height=360, margin=dict(t=60, b=20), title=f"ring {op.replace('_', '-')} on {n} ranks: {what}")
         out.clear_output(wait=True)
         with out:
-            fig.show()
+            tidy(fig).show()
 
     slider.observe(lambda change: draw(change["new"]), names="value")
     draw(0)
@@ -82,7 +83,7 @@ def sweep_figure(rows, metric: str = "busbw"):
     fig.update_yaxes(type="log")
     fig.update_yaxes(title=f"{metric} (GB/s)", row=1, col=1)
     fig.update_layout(height=420, margin=dict(t=60), title=f"{metric}, measured on this machine")
-    return fig
+    return tidy(fig)
 
 
 def model_figure(rows, alpha: float, beta: float, op: str = "all_gather", impl: str = "ring"):
@@ -98,4 +99,4 @@ def model_figure(rows, alpha: float, beta: float, op: str = "all_gather", impl: 
     fig.update_yaxes(type="log", title="time (ms)")
     fig.update_layout(height=420, margin=dict(t=50), title=f"ring {op.replace('_', '-')}: "
                       f"α = {alpha * 1e6:.0f} µs per step, β = {beta / 1e9:.2f} GB/s")
-    return fig
+    return tidy(fig)

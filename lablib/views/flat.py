@@ -4,6 +4,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from ..strategies.flat import FlatLayout
+from .layout import tidy
 
 
 def layout_figure(layout: FlatLayout, names=None, title=None):
@@ -28,4 +29,4 @@ def layout_figure(layout: FlatLayout, names=None, title=None):
                       title=title or f"{layout.numel} elements, padded to {layout.padded_numel}: "
                                      f"{layout.world_size} shards of {layout.shard_numel}",
                       legend=dict(orientation="h", y=-0.6))
-    return fig
+    return tidy(fig)

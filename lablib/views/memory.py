@@ -6,6 +6,7 @@ import ipywidgets as w
 import plotly.graph_objects as go
 
 from ..memory import KINDS, STAGE_NAMES
+from .layout import tidy
 
 KIND_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B"}
 
@@ -23,7 +24,7 @@ def memory_figure(rows, title="Bytes each rank holds between steps (measured) vs
                     hovertemplate="formula: %{y:.2f} KB<extra></extra>")
     fig.update_layout(barmode="stack", title=title, yaxis_title="KB per rank", height=420,
                       legend=dict(orientation="h", y=-0.25), margin=dict(t=50, b=40))
-    return fig
+    return tidy(fig)
 
 
 def calculator(coefficients: dict[str, tuple[float, float]]):
@@ -55,7 +56,7 @@ def calculator(coefficients: dict[str, tuple[float, float]]):
                              yaxis_range=[0, max(max(vals), capacity.value) * 1.15])
         out.clear_output(wait=True)
         with out:
-            figure.show()
+            tidy(figure).show()
         ok = [STAGE_NAMES[s] for s, f in zip(stages, fits) if f]
         verdict.value = ("fits: " + ", ".join(ok)) if ok else "fits with none of these: shard over more GPUs"
 

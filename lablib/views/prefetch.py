@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from .layout import tidy
 
 
 def depth_figure(rows, link=None):
@@ -22,7 +23,7 @@ def depth_figure(rows, link=None):
     most = max((r["peak"] / 1e6 for r in rows), default=1.0) or 1.0
     fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", range=[-0.04 * most, 1.12 * most])
     fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE", rangemode="tozero")
-    return fig
+    return tidy(fig)
 
 
 def step_lines(runs: dict, how: str) -> str:

@@ -3,6 +3,7 @@ tensor parallelism stays inside a node (lab 02's α-β model with stated link an
 from __future__ import annotations
 
 from .. import comm
+from .layout import tidy
 
 # Stated figures: every number here is a vendor's (datasheet) or an assumption named as one.
 GPU = {"name": "H100 SXM", "flops": 989e12, "source": "datasheet: dense BF16 tensor-core peak"}
@@ -50,7 +51,7 @@ def cost_figure(hidden: int = 8192, link: str = "NVLink", tokens: int = 4096):
                + f"<br>compute: {GPU['name']} at {EFFICIENCY:.0%} (assumed) of {GPU['flops'] / 1e12:.0f} TFLOP/s "
                f"({GPU['source']})<br>link: {link_}</sup>"),
         xaxis_title="tensor-parallel degree (GPUs per layer)", yaxis_title="ms per layer (forward)")
-    return fig
+    return tidy(fig)
 
 
 def cost_explorer():

@@ -18,6 +18,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..overlap import op_of, phases
+from .layout import tidy
+
+_LEGEND = 48  # px over the chart for the legend's two rows
 
 # op: (colour, label prefix, legend name)
 OPS = {
@@ -244,13 +247,13 @@ def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
         fig = go.Figure(_bars(timeline))
         _axis(fig, n, flat=flat)
         fig.update_xaxes(title="time since the job started (ms)")
-    # the title at the top, the legend (two rows where it has many entries) between it and the chart
-    fig.update_layout(title=dict(text=title if title is not None else (timeline.title or "Per-rank timeline"),
-                                 y=1.0, yref="container", yanchor="top", pad=dict(t=12)),
-                      height=chart_h + table_h + 180, margin=dict(l=110, r=20, t=90, b=10),
+    # the title under the toolbar (tidy), the legend (two rows where it has many entries) between it and the chart
+    fig.update_layout(title=title if title is not None else (timeline.title or "Per-rank timeline"),
+                      margin=dict(l=110, r=20, t=0, b=10),
                       legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"),
                       plot_bgcolor="white", hovermode="closest")
-    return fig
+    tidy(fig, above=_LEGEND)
+    return fig.update_layout(height=chart_h + table_h + 90 + fig.layout.margin.t)
 
 
 def _from_zero(timeline):
@@ -291,9 +294,8 @@ def compare_figure(timelines, titles=None, steps=None, title: str = ""):
             fig.add_trace(trace, row=i, col=1)
         _axis(fig, t.world_size, row=i, col=1, flat=compact(t))
     fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
-    fig.update_layout(height=150 + sum((40 if compact(t) else 62) * t.world_size + 40 for t in timelines), margin=dict(l=110, r=20, t=60, b=90),
-                      legend=dict(orientation="h", y=0, yanchor="bottom", x=0, yref="container"),
-                      plot_bgcolor="white", title=title)
-    if title:
-        fig.update_layout(margin=dict(t=100))
-    return fig
+    fig.update_layout(margin=dict(l=110, r=20, t=0, b=90), legend=dict(orientation="h", y=0, yanchor="bottom", x=0,
+                                                                    yref="container"), plot_bgcolor="white", title=title)
+    tidy(fig)  # the title under the toolbar, the runs' titles under it
+    return fig.update_layout(height=90 + fig.layout.margin.t + sum((40 if compact(t) else 62) * t.world_size + 40
+                                                                   for t in timelines))
