@@ -109,7 +109,7 @@ def agree(mine) -> None:
                 f"{RULE}.")
         time.sleep(pause)
         pause = min(2 * pause, 0.01)
-    made = {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
+    made = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
     if len({json.dumps(v) for v in made.values()}) > 1:
         by = {}
         for r, v in made.items():
