@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from .layout import log_ticks, tidy
+
 # One hue per P, shared by that P's two lines (what autograd keeps, what recomputation keeps)
 P_COLOURS = {1: "#4C78A8", 2: "#F58518", 4: "#54A24B", 8: "#B279A2"}
 
@@ -28,16 +30,6 @@ def sends(seconds: list[float], cluster) -> str:
             f"({ms[0]:.1f} to {ms[-1]:.1f} ms; {measured(cluster)}, posted to delivered)")
 
 
-def _log_ticks(values) -> dict:
-    """Plain-number ticks for a log axis spanning ``values`` (1, 3, 10, 30, ... instead of 1e+06)."""
-    low, high = min(values), max(values)
-    ticks, decade = [], 10.0 ** -4
-    while decade <= high * 10:
-        ticks += [t for t in (decade, 3 * decade) if low / 3 <= t <= high * 3]
-        decade *= 10
-    return dict(tickvals=[float(f"{t:g}") for t in ticks], ticktext=[f"{t:g}" for t in ticks])
-
-
 def work_figure(runs: dict, cluster=None):
     """``runs``: {layout: (per-rank work, per-rank CPU seconds)}: two bar charts side by side. CPU time, not
     the timeline's wall time: ranks that share cores take turns, and wall time would show the turns."""
@@ -53,9 +45,9 @@ def work_figure(runs: dict, cluster=None):
         fig.add_trace(go.Bar(name=layout, x=x, y=work, marker_color=colours.get(layout), legendgroup=layout), 1, 1)
         fig.add_trace(go.Bar(name=layout, x=x, y=[s * 1e3 for s in seconds], marker_color=colours.get(layout),
                              legendgroup=layout, showlegend=False), 1, 2)
-    fig.update_layout(barmode="group", height=360, margin=dict(t=90, b=40), legend=dict(orientation="h", y=-0.15),
+    fig.update_layout(barmode="group", height=360, margin=dict(b=40), legend=dict(orientation="h", y=-0.15),
                       title="Causal ring attention: each rank's share of the work")
-    return fig
+    return tidy(fig)
 
 
 def memory_figure(rows: list[dict]):
@@ -74,10 +66,10 @@ def memory_figure(rows: list[dict]):
                                      mode="lines+markers", name=f"P = {p}: {what}", legendgroup=f"P{p}",
                                      line=dict(color=colour, dash=dash), marker=dict(color=colour, symbol=symbol)))
     values = [r[k] / 2**20 for r in rows for k in ("saved", "kept")]
-    fig.update_yaxes(type="log", title="MiB per rank (log scale)", **_log_ticks(values))
+    fig.update_yaxes(type="log", title="MiB per rank (log scale)", **log_ticks(values))
     fig.update_xaxes(title="sequence length (tokens)", tickvals=sorted({r["tokens"] for r in rows}))
-    fig.update_layout(title="Activation memory per rank for one attention layer", height=420, margin=dict(t=90))
-    return fig
+    fig.update_layout(title="Activation memory per rank for one attention layer", height=420)
+    return tidy(fig)
 
 
 def three_ways(rows: list[dict], cluster) -> str:
