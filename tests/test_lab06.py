@@ -680,6 +680,7 @@ def test_the_drawn_zigzag_step_is_the_run_whose_results_and_time_are_shown(clust
     results, timeline, seconds = median_run(cluster, cp.ring_attention, "zigzag", True, tokens=256)
     n = cluster.world_size
     assert seconds == max(r["seconds"][0] for r in results)  # the results shown are that run's
+    assert all(0 < r["attention_cpu_median"] and r["attention_cpu"] <= r["cpu"] for r in results)
     sends = [s for s in timeline.spans if s.meta.get("op") == "send"]
     assert len(sends) == n * (n - 1)  # one step drawn: every rank's P - 1 hops, once
 
@@ -689,6 +690,8 @@ def test_the_notebooks_lines_name_their_backend_and_numbers(cluster):
     from lablib.views import context_parallel as view
 
     assert view.measured(cluster) == "measured, Gloo"
+    assert view.spread({"contiguous": ([1, 7], [0.01, 0.03]), "zigzag": ([4, 4], [0.02, 0.025])}).endswith(
+        "contiguous: work 7.0x, CPU time 3.0x; zigzag: work 1.0x, CPU time 1.2x")
     line = view.sends([0.002, 0.010, 0.004], cluster)
     assert "took 4.0 ms, the median of the 3 sends" in line and "(2.0 to 10.0 ms; measured, Gloo" in line
     m = gqa_allgather(**LLAMA3_405B)  # 15/16 x 2 x 131072 x 8 x 128 x 2 bytes; 2 x 131072² x 128 x 128 / 16 FLOPs

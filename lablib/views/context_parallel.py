@@ -30,15 +30,22 @@ def sends(seconds: list[float], cluster) -> str:
             f"({ms[0]:.1f} to {ms[-1]:.1f} ms; {measured(cluster)}, posted to delivered)")
 
 
+def spread(runs: dict) -> str:
+    """``runs`` as for ``work_figure``: per layout, the busiest rank's work and CPU time over the least busy's."""
+    parts = [f"{layout}: work {max(w) / min(w):.1f}x, CPU time {max(c) / min(c):.1f}x"
+             for layout, (w, c) in runs.items() if min(w) > 0 and min(c) > 0]
+    return "busiest rank over least busy (work counted, CPU time in attention measured): " + "; ".join(parts)
+
+
 def work_figure(runs: dict, cluster=None):
-    """``runs``: {layout: (per-rank work, per-rank CPU seconds)}: two bar charts side by side. CPU time, not
-    the timeline's wall time: ranks that share cores take turns, and wall time would show the turns."""
+    """``runs``: {layout: (per-rank work, per-rank CPU seconds in attention)}: two bar charts side by side. CPU
+    time, not the timeline's wall time: ranks that share cores take turns, and wall time would show the turns."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     how = measured(cluster) if cluster is not None else "measured"
     fig = make_subplots(1, 2, subplot_titles=("attention work (query-key pairs, counted)",
-                                              f"CPU time in the step, ms ({how})"))
+                                              f"CPU time in attention, ms ({how}; median of the runs)"))
     colours = {"contiguous": "#E45756", "zigzag": "#4C78A8"}
     for layout, (work, seconds) in runs.items():
         x = [f"rank {r}" for r in range(len(work))]
