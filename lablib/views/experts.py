@@ -3,6 +3,8 @@ capacity factor, the load while training with and without the balancing loss, an
 each rank in a dispatch."""
 from __future__ import annotations
 
+from .layout import tidy
+
 
 def capacity_figure(runs: dict, capacity: dict, total: int):
     """``runs``: {label: tokens each expert computed (measured, every rank's experts in order)};
@@ -19,9 +21,9 @@ def capacity_figure(runs: dict, capacity: dict, total: int):
         if capacity.get(label) is not None:
             fig.add_trace(go.Scatter(name=f"capacity, {label}", x=[experts[0], experts[-1]], y=[capacity[label]] * 2,
                                      mode="lines", line=dict(dash="dot", color=colour)))
-    fig.update_layout(barmode="group", height=400, margin=dict(t=50), yaxis_title="tokens computed (measured)",
+    fig.update_layout(barmode="group", height=400, yaxis_title="tokens computed (measured)",
                       title="Tokens each expert computed, tokens skewed toward expert 0", legend=dict(orientation="h", y=-0.15))
-    return fig
+    return tidy(fig)
 
 
 def balance_figure(runs: dict):
@@ -33,9 +35,9 @@ def balance_figure(runs: dict):
     for label, loads in runs.items():
         fig.add_trace(go.Scatter(y=[max(step) * len(step) / sum(step) for step in loads], mode="lines", name=label))
     fig.add_hline(y=1, line_dash="dot", annotation_text="even")
-    fig.update_layout(height=340, margin=dict(t=50), xaxis_title="training step", yaxis_title="busiest expert / mean",
+    fig.update_layout(height=340, xaxis_title="training step", yaxis_title="busiest expert / mean",
                       title="Load imbalance while training (measured, one process)")
-    return fig
+    return tidy(fig)
 
 
 def bytes_figure(matrix: list[list[int]], title: str):
@@ -48,9 +50,9 @@ def bytes_figure(matrix: list[list[int]], title: str):
                                text=[[f"{v:.0f} KiB" for v in row] for row in kib], texttemplate="%{text}",
                                colorscale="Blues", colorbar=dict(title="KiB"),
                                hovertemplate="from rank %{y} to rank %{x}: %{text}<extra></extra>"))
-    fig.update_layout(title=title, height=340, margin=dict(t=60), xaxis_title="to rank", yaxis_title="from rank",
+    fig.update_layout(title=title, height=340, xaxis_title="to rank", yaxis_title="from rank",
                       yaxis_autorange="reversed")
-    return fig
+    return tidy(fig)
 
 
 def load_figure(runs: dict):
@@ -66,6 +68,6 @@ def load_figure(runs: dict):
         fig.add_trace(go.Bar(name=label, x=x, y=[c * 1e3 for c in cpu], marker_color=colour, legendgroup=label), 1, 1)
         fig.add_trace(go.Bar(name=label, x=x, y=[w * 1e3 for w in wait], marker_color=colour, legendgroup=label,
                              showlegend=False), 1, 2)
-    fig.update_layout(barmode="group", height=340, margin=dict(t=70, b=40), legend=dict(orientation="h", y=-0.15),
+    fig.update_layout(barmode="group", height=360, margin=dict(b=40), legend=dict(orientation="h", y=-0.15),
                       title="The drawn steps, rank by rank: who computed, who waited")
-    return fig
+    return tidy(fig)
