@@ -342,3 +342,17 @@ def test_an_exception_whose_str_fails_is_still_reported(fragile):
     with pytest.raises(RankError, match=r"rank 0 of \d failed: Unprintable: <str\(\) of the Unprintable failed"):
         fragile.run(raise_it)
     _healthy(fragile)
+
+
+def _not_done_on_last():
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise NotImplementedError("Task 9.9: write it")
+    dist.all_reduce(torch.ones(4))  # the other ranks wait for it, and may be reported first
+
+
+def test_a_check_says_not_done_whichever_rank_raised_it(fragile):
+    from lablib.checks import NotDone, run_on_ranks
+
+    with pytest.raises(NotDone, match=r"Task 9\.9 is not done yet: your code \(Task 9\.9: write it\)"):
+        run_on_ranks(fragile, "Task 9.9", _not_done_on_last)
+    _healthy(fragile)

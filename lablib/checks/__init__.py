@@ -92,9 +92,10 @@ def run_on_ranks(cluster: Cluster, task: str, job, *args, hints=()):
     try:
         return cluster.run(job, *args)
     except RankError as err:
-        first = err.ranks[0] if err.ranks else 0
-        exc = err.exception(first)
-        if isinstance(exc, NotImplementedError):
+        # Any rank's NotImplementedError, not only the first failed rank's: a peer of a rank that raised it
+        # may be the lowest-numbered failure, stopped while it waited for that rank.
+        exc = next((e for e in map(err.exception, err.ranks or [0]) if isinstance(e, NotImplementedError)), None)
+        if exc is not None:
             raise not_done(task, f"your code ({exc})") from None
         likely = None
         for text, hint in hints:
