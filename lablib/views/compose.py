@@ -10,6 +10,7 @@ from plotly.subplots import make_subplots
 from ..strategies import compose as cp
 from ..strategies.planner import describe
 from ..timeline import Span, Timeline
+from .layout import tidy
 from .timeline import OPS
 
 
@@ -81,7 +82,7 @@ def plan_figure(plans: dict):
                          ticktext=[f"{v:g}" for v in ticks], row=1, col=col)
     fig.update_layout(height=420, title="Every valid layout: memory per GPU against step time (modelled; dotted: "
                       "the memory a layout may use)", plot_bgcolor="white")
-    return fig
+    return tidy(fig)
 
 
 def plan_table(rows: list[dict], count: int = 5) -> str:
