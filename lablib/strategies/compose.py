@@ -343,6 +343,22 @@ def ranking(measured: dict[str, list[float]], planned: dict[str, float]) -> tupl
     return True, f"the planner orders them as the ranks measured: {shown(order)}"
 
 
+def recompute_rounds(cluster, train_step, checkpointed, rounds: int | None = None) -> dict:
+    """The TP×PP step on ``BIG`` with its activations kept and recomputed, one after the other, ``rounds`` times (3;
+    1 under LABLIB_QUICK) of 4 timed steps: {"kept" | "recomputed": {"runs": the first round's results, "steps":
+    each round's median step, slowest rank}}. Alternating them spreads a busy moment of the machine over both."""
+    from ..paths import quick
+    from .prefetch import step_seconds
+
+    out = {"kept": {"runs": None, "steps": []}, "recomputed": {"runs": None, "steps": []}}
+    for _ in range(rounds or (1 if quick() else 3)):
+        for label, wrap in (("kept", None), ("recomputed", checkpointed)):
+            results = cluster.run(step_job, train_step, MESHES["TP×PP"], 0, 4, wrap, BIG)
+            out[label]["runs"] = out[label]["runs"] or results
+            out[label]["steps"].append(step_seconds(results))
+    return out
+
+
 def measure_meshes(cluster, train_step, steps: int | None = None) -> tuple[dict, dict, float]:
     """``train_step`` on each 2×2 mesh over ``TOY_LINK`` on the model ``RANKED``, the last mesh's last step left
     on the cluster's timeline: ({mesh: each timed step's seconds in order, the slowest rank's on the timeline's

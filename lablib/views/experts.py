@@ -61,7 +61,7 @@ def load_figure(runs: dict):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(1, 2, subplot_titles=("CPU time in the step, ms (measured; however ranks shared cores)",
+    fig = make_subplots(1, 2, subplot_titles=("CPU time in the step, ms (measured: each rank's own work)",
                                               "waiting in the combine, ms (measured)"))
     for (label, (cpu, wait)), colour in zip(runs.items(), ("#4C78A8", "#E45756")):
         x = [f"rank {r}" for r in range(len(cpu))]
