@@ -65,7 +65,10 @@ def test_a_collective_called_with_another_signature_says_which_to_use(two, case,
         two.run(_call, case)
     message = str(info.value)
     first = message.splitlines()[0]
-    assert said in first and ": the same " in message, message  # every rank, at once: nothing was sent
+    assert said in first, message
+    # Nothing was sent: no Gloo error on any rank. (Each rank raises the same at once, but on a busy machine the
+    # pool may stop a slow rank before it got there, so "the same" is not asserted for every rank.)
+    assert "Gloo" not in message and "size doesn't match" not in message, message
 
 
 def _the_right_calls():
