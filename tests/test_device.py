@@ -15,8 +15,8 @@ from lablib.labs import LABS
 from lablib.device_audit import Audit, DeviceRuleBroken, check_result
 from lablib.timeline import RECORDER
 from lablib.pool import backend
-from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, lab08, registered
-from lablib.strategies import compose, fsdp, pp_reference, prefetch, tensor_parallel as tp
+from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, lab06, lab07, lab08, registered
+from lablib.strategies import compose, context_parallel as cp, experts, fsdp, pp_reference, prefetch, tensor_parallel as tp
 from lablib.strategies import tp_reference
 
 
@@ -127,6 +127,13 @@ def test_the_labs_measurements_keep_the_device_rule(audited):
     audited.run(tp_reference.dtensor_block_job, 1, 0)
     audited.run(pp_reference.step_job, pp_answers.execute, lambda p, m, v=1: pp_answers.one_f_one_b(p, m), 2, 1, None, 1)
     audited.run(pp_reference.torch_step_job, "1f1b", 2, 1, 1)
+    small = dict(tokens=64, heads=4, dim=8)
+    audited.run(cp.ring_job, lab06.ring_attention, "zigzag", True, 1, **small)
+    audited.run(cp.ring_job, cp.allgather_attention, "zigzag", True, 1, output=True, **small)
+    audited.run(cp.ring_job, lab06.ulysses_attention, "contiguous", True, 1, True, **small)
+    for dispatcher in ("all_to_all", "all_gather"):
+        audited.run(experts.moe_job, lab07.moe_layer, 0.5, 1, None, dispatcher, lab07.route, tokens=64, dim=16,
+                    hidden=32)
 
 
 def test_lab_08s_measurements_keep_the_device_rule(audited4):

@@ -176,9 +176,9 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
 
     r, n = dist.get_rank(), dist.get_world_size()
     s = {**BIG, **size}
+    mine = positions(layout, r, n, s["tokens"])  # on the CPU, to cut the CPU-made sequence with
     every = [comm.to_device(positions(layout, p, n, s["tokens"])) for p in range(n)]
-    q, k, v = (comm.to_device(t[..., every[r], :].contiguous())
-               for t in qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
+    q, k, v = (comm.to_device(t[..., mine, :].contiguous()) for t in qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
     def step():
         _ATTN_CPU[0] = 0.0
         return fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
@@ -186,7 +186,7 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
     seconds, cpu, out = timed_steps(steps, link, step)
     whole = torch.arange(s["tokens"])
     return {"seconds": seconds, "cpu": cpu, "attention_cpu": _ATTN_CPU[0],
-            "work": causal_pairs(every[r].cpu(), whole) if causal else len(every[r]) * s["tokens"],
+            "work": causal_pairs(mine, whole) if causal else len(mine) * s["tokens"],
             **({"out": (out[0] if isinstance(out, tuple) else out).cpu(), "rows": every[r].cpu()} if output else {})}
 
 
