@@ -261,8 +261,9 @@ def test_ring_mistakes_are_named(cluster):
         check_ring(ring_gathered, cluster)
 
 
-def backward_not_home(q, k, v, positions, out, lse, grad_out, causal):
-    """Sends the gradients on only between blocks, so they end one rank short of home."""
+def _ring_backward(q, k, v, positions, out, lse, grad_out, causal, probs, home=True):
+    """Task 6.3's backward with a mistake: ``probs(scores, lse)`` the block's probabilities; ``home=False``
+    sends the gradients on only between blocks."""
     rank, n = dist.get_rank(), dist.get_world_size()
     pos, scale = positions[rank], 1 / math.sqrt(q.shape[-1])
     delta = (grad_out * out).sum(-1, keepdim=True)
@@ -274,18 +275,27 @@ def backward_not_home(q, k, v, positions, out, lse, grad_out, causal):
         scores = q @ kk.transpose(-2, -1) * scale
         if causal:
             scores = scores.masked_fill(positions[src][None, :] > pos[:, None], float("-inf"))
-        p = torch.exp(scores - lse[..., None])
+        p = probs(scores, lse)
         dv += p.transpose(-2, -1) @ grad_out
         ds = p * (grad_out @ vv.transpose(-2, -1) - delta)
         dq += ds @ kk * scale
         dk += ds.transpose(-2, -1) @ q * scale
-        if step < n - 1:
+        if home or step < n - 1:
             incoming = torch.empty_like(travelling)
             works = [lablib.isend(travelling, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
             for w in works:
                 w.wait()
             travelling = incoming
     return dq, travelling[2], travelling[3]
+
+
+def _final_lse(scores, lse):
+    return torch.exp(scores - lse[..., None])
+
+
+def backward_not_home(*args):
+    """Sends the gradients on only between blocks, so they end one rank short of home."""
+    return _ring_backward(*args, probs=_final_lse, home=False)
 
 
 def test_gradients_that_never_get_home_are_named(cluster):
@@ -498,30 +508,9 @@ def test_a_chunk_used_before_it_arrived_is_named(cluster):
         check_ring(ring_waiting_at_the_end, cluster)
 
 
-def backward_per_block_softmax(q, k, v, positions, out, lse, grad_out, causal):
+def backward_per_block_softmax(*args):
     """Normalises each block's probabilities by its own softmax instead of the forward's final lse."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    pos, scale = positions[rank], 1 / math.sqrt(q.shape[-1])
-    delta = (grad_out * out).sum(-1, keepdim=True)
-    dq = torch.zeros_like(q)
-    travelling = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
-    for step in range(n):
-        src = (rank - step) % n
-        kk, vv, dk, dv = travelling
-        scores = q @ kk.transpose(-2, -1) * scale
-        if causal:
-            scores = scores.masked_fill(positions[src][None, :] > pos[:, None], float("-inf"))
-        p = torch.softmax(scores, -1)
-        dv += p.transpose(-2, -1) @ grad_out
-        ds = p * (grad_out @ vv.transpose(-2, -1) - delta)
-        dq += ds @ kk * scale
-        dk += ds.transpose(-2, -1) @ q * scale
-        incoming = torch.empty_like(travelling)
-        works = [lablib.isend(travelling, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
-        for w in works:
-            w.wait()
-        travelling = incoming
-    return dq, travelling[2], travelling[3]
+    return _ring_backward(*args, probs=lambda scores, lse: torch.softmax(scores, -1))
 
 
 def test_a_per_block_softmax_in_the_backward_is_named(cluster):

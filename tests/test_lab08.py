@@ -241,14 +241,7 @@ def checkpointed_passes_the_gradient_on(forward):
     return lambda h: PassesTheGradientOn.apply(forward, h)
 
 
-class RecomputesWithoutGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn, h):
-        ctx.fn = fn
-        ctx.save_for_backward(h)
-        with torch.no_grad():
-            return fn(h)
-
+class RecomputesWithoutGrad(PassesTheGradientOn):  # the same forward
     @staticmethod
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
