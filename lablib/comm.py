@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import p2p
 from .device_audit import check_collective
 from .arguments import p_times, tensors
 from .splits import row_bytes, same_splits, splits
@@ -314,7 +315,7 @@ def barrier(group=None, name="barrier"):
         dist.barrier(group)
 
 
-def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
+def _p2p(call, op, tensor, peer, group, name, async_op, meta, batch=None):
     tensors(("i" if async_op else "") + op, tensor=tensor)
     n, me = dist.get_world_size(), dist.get_rank()
     called = f"lablib.{'i' if async_op else ''}{op} {'to' if op == 'send' else 'from'} rank {peer}"
@@ -323,30 +324,77 @@ def _p2p(call, op, tensor, peer, group, name, async_op, tag, meta):
                          f"world_size, e.g. (rank + 1) % {n}")
     if peer == me:  # nothing would ever match it
         raise ValueError(f"{called}: that is this rank itself; a message goes to another rank")
-    default = f"send to {peer}" if op == "send" else f"recv from {peer}"
-    if tag:
-        meta["tag"] = tag
-    stamp = dist.isend if op == "send" else dist.irecv  # a simulated message's arrival time, on a tag of its own
-    return _traced(name or default, tensor.nbytes, async_op, lambda t, _: call(t, peer, group, tag), tensor, op,
-                   group=group, stamp=lambda t: stamp(t, peer, group, tag + _STAMP_TAG), peer=peer, **meta)
+    if "tag" in meta:
+        raise ValueError(f"{called} with tag=: lablib's messages have no tags, as NCCL's have none. Messages between "
+                         "two ranks match in the order they were posted: receive them in the order they are sent.")
+    name = name or (f"send to {peer}" if op == "send" else f"recv from {peer}")
+    if batch is not None:  # a message of lablib.exchange: posted with the others
+        def call(t, peer, group):
+            return batch.add(op, t, peer, name)
+    elif p2p.active(group):  # strict mode: NCCL's rules (lablib.p2p)
+        def call(t, peer, group):
+            one = p2p.post([(t, peer)] if op == "send" else [], [(t, peer)] if op == "recv" else [], group, [name])
+            return one if async_op else one.wait()
+    stamp = dist.isend if op == "send" else dist.irecv  # a simulated message's arrival time (Gloo, host memory)
+    return _traced(name, tensor.nbytes, async_op, lambda t, _: call(t, peer, group), tensor, op, group=group,
+                   stamp=lambda t: stamp(t, peer, group, _STAMP_TAG), peer=peer, **meta)
 
 
-_STAMP_TAG = 1 << 30
+_STAMP_TAG = 1 << 30  # Gloo only: NCCL's point-to-point has no tags
 
 
-def send(tensor, dst, group=None, name=None, tag=0, **meta):
-    """``tag``: a recv with the same tag matches it (messages between two ranks otherwise match in order).
-    ``meta`` (e.g. ``step=2, chunk=3``) is kept on the span and in the Chrome trace."""
-    return _p2p(dist.send, "send", tensor, dst, group, name, False, tag, meta)
+def send(tensor, dst, group=None, name=None, **meta):
+    """A blocking send: returns once ``dst`` has the message (on Gloo: once it left; under NCCL a send
+    completes only once ``dst`` has begun the receive). ``meta`` (e.g. ``step=2, chunk=3``) is kept on the
+    span and in the Chrome trace. Messages between two ranks match in the order posted (no tags)."""
+    return _p2p(dist.send, "send", tensor, dst, group, name, False, meta)
 
 
-def recv(tensor, src, group=None, name=None, tag=0, **meta):
-    return _p2p(dist.recv, "recv", tensor, src, group, name, False, tag, meta)
+def recv(tensor, src, group=None, name=None, **meta):
+    return _p2p(dist.recv, "recv", tensor, src, group, name, False, meta)
 
 
-def isend(tensor, dst, group=None, name=None, tag=0, **meta):
-    return _p2p(dist.isend, "send", tensor, dst, group, name, True, tag, meta)
+def isend(tensor, dst, group=None, name=None, **meta):
+    return _p2p(dist.isend, "send", tensor, dst, group, name, True, meta)
 
 
-def irecv(tensor, src, group=None, name=None, tag=0, **meta):
-    return _p2p(dist.irecv, "recv", tensor, src, group, name, True, tag, meta)
+def irecv(tensor, src, group=None, name=None, **meta):
+    return _p2p(dist.irecv, "recv", tensor, src, group, name, True, meta)
+
+
+class Exchange:
+    """The handle of ``exchange``: ``wait()`` waits for every message; ``works`` holds one per message."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, *args):
+        for work in self.works:
+            work.wait(*args)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
+    """Sends and receives that must be in flight together, posted as one: ``sends`` [(tensor, dst)],
+    ``recvs`` [(tensor, src)]. Returns one handle; wait on it before reading a received tensor or writing a
+    sent one. Under NCCL this is one ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a
+    time, in the order posted, and a send completes only once its receive has begun: a send and a receive
+    posted apart can deadlock, grouped they cannot); on Gloo the messages are posted one by one, receives
+    first. Each message is a span of its own, named ``name`` or after its peer."""
+    pairs = {"sends": sends, "recvs": recvs}
+    for what, given in pairs.items():
+        if not isinstance(given, (list, tuple)) or not all(
+                isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], torch.Tensor)
+                and isinstance(x[1], int) and not isinstance(x[1], bool) for x in given):
+            raise TypeError(f"lablib.exchange({what}=...) takes a list of (tensor, rank) pairs, e.g. {what}="
+                            f"[(buffer, {'right' if what == 'sends' else 'left'})]; got {given!r:.80}")
+    if not sends and not recvs:
+        raise ValueError("lablib.exchange() got no sends and no recvs: give it the messages to post together")
+    batch = p2p.Batch(group)
+    works = [_p2p(None, op, t, peer, group, name, True, dict(meta), batch)
+             for op, given in (("recv", recvs), ("send", sends)) for t, peer in given]
+    batch.launch()
+    return Exchange(works)

@@ -134,7 +134,7 @@ def message_over_link(link, name, nbytes, async_op, call, stamp_call, tensor, op
     takes α + bytes/β on this rank's outgoing link (``free[0]``: when that is free, ns) and ends when the
     message arrives; the recv ends at that arrival, or when it is posted if the message came before."""
     issued = _now()
-    stamp = torch.zeros(1, dtype=torch.int64, device=tensor.device)
+    stamp = torch.zeros(1, dtype=torch.int64)  # on the host: Gloo carries it, under NCCL too
     end = None
     if op == "send":
         start = max(issued, free[0])

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from .. import p2p
 from ..pool import Cluster, RankError, spare
 
 
@@ -90,7 +91,7 @@ def run_on_ranks(cluster: Cluster, task: str, job, *args, hints=()):
     names: a shape, a peer)."""
     __tracebackhide__ = True  # IPython shows the message, not this file's frames
     try:
-        return cluster.run(job, *args)
+        return cluster.run(p2p.strictly(job) if p2p.CHECKS else job, *args)
     except RankError as err:
         # Any rank's NotImplementedError, not only the first failed rank's: a peer of a rank that raised it
         # may be the lowest-numbered failure, stopped while it waited for that rank.

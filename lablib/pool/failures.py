@@ -8,6 +8,7 @@ import signal
 from .groups import RULE
 from .protocol import Failure
 
+NCCL_RULES = "(NCCL's rules)"  # in strict mode's timeouts (lablib.p2p)
 _GROUP_OPS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "init_device_mesh"}
 
 
@@ -71,9 +72,9 @@ def _send_recv_hint(ops: set) -> str:
     handle of a message posted without blocking)."""
     if ops & {"isend", "irecv"}:
         return ("Hint: a rank waited on a message it had posted (lablib.isend/irecv) whose other side never came: "
-                "its peer did not post the matching irecv/isend (it skipped a step, sent to another rank, used "
-                "another tag), or posted it only after waiting on one of its own. Post every send and receive of a "
-                "step before waiting on any, and give each send a receive on its peer with the same tag.")
+                "its peer did not post the matching irecv/isend (it skipped a step, sent to another rank), or posted "
+                "it only after waiting on one of its own. Post every send and receive of a step before waiting on "
+                "any (as one lablib.exchange), and give each send a receive on its peer, in the same order.")
     if ops == {"recv"}:
         lead = ("every rank is blocked in recv, each waiting for a message its peer sends only after its own recv "
                 "returns: nobody sends.")
@@ -83,7 +84,7 @@ def _send_recv_hint(ops: set) -> str:
     else:
         lead = "a blocking send waits until its peer receives, and a recv until its peer sends."
     return (f"Hint: {lead} Alternate the order (even ranks send first, odd ranks receive first), or post "
-            "isend/irecv and then wait on both.")
+            "the send and the receive together as one lablib.exchange and wait on it.")
 
 
 def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float,
@@ -101,7 +102,9 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
     if finished:
         lines.append(f"  finished: rank(s) {_join(sorted(finished))}")
     blocked = {_op(failures[r]) for r in ranks if cats[r] == "timeout"}
-    if blocked and blocked <= {"send", "recv", "isend", "irecv"}:
+    if any(NCCL_RULES in f.message for f in failures.values()):
+        pass  # strict mode's own report says who waits for whom and the fix (lablib.p2p)
+    elif blocked and blocked <= {"send", "recv", "isend", "irecv"}:
         lines.append(_send_recv_hint(blocked))
     elif "timeout" in cats.values():
         lines.append(f"Hint: a collective waited {timeout:g} s for a peer that never joined it. Every rank must call "
