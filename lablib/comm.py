@@ -383,7 +383,7 @@ def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
     sent one. Under NCCL this is one ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a
     time, in the order posted, and a send completes only once its receive has begun: a send and a receive
     posted apart can deadlock, grouped they cannot); on Gloo the messages are posted one by one, receives
-    first. Each message is a span of its own, named ``name`` or after its peer."""
+    first. Each message is a span of its own: "``name``: send" and "``name``: recv", or named after its peer."""
     pairs = {"sends": sends, "recvs": recvs}
     for what, given in pairs.items():
         if not isinstance(given, (list, tuple)) or not all(
@@ -394,7 +394,7 @@ def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
     if not sends and not recvs:
         raise ValueError("lablib.exchange() got no sends and no recvs: give it the messages to post together")
     batch = p2p.Batch(group)
-    works = [_p2p(None, op, t, peer, group, name, True, dict(meta), batch)
+    works = [_p2p(None, op, t, peer, group, name and f"{name}: {op}", True, dict(meta), batch)
              for op, given in (("recv", recvs), ("send", sends)) for t, peer in given]
     batch.launch()
     return Exchange(works)

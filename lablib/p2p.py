@@ -144,6 +144,8 @@ class _Op:
     def wait(self, *args):
         self.done.wait()
         if self.error is not None:
+            if not getattr(self.error, "lablib_op", None):  # what the report names it by (work.py: "isend")
+                self.error.lablib_op = "exchange" if self.sends and self.recvs else "send" if self.sends else "recv"
             raise self.error
         return True
 

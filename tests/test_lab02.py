@@ -122,9 +122,8 @@ def test_ring_checks_teach(fragile):
         rank, n = dist.get_rank(), dist.get_world_size()
         chunks = output.view(n, -1)
         for step in range(n - 1):
-            for h in [lablib.isend(chunks[(rank - step) % n], (rank + 1) % n),
-                      lablib.irecv(chunks[(rank - step - 1) % n], (rank - 1) % n)]:
-                h.wait()
+            lablib.exchange(sends=[(chunks[(rank - step) % n], (rank + 1) % n)],
+                            recvs=[(chunks[(rank - step - 1) % n], (rank - 1) % n)]).wait()
 
     def library_call(output, input):
         lablib.all_gather(output, input)
@@ -139,15 +138,14 @@ def test_ring_checks_teach(fragile):
         partial = input.reshape(n, -1).clone()
         incoming = torch.empty_like(partial[0])
         for step in range(n - 1):
-            handles = [lablib.isend(partial[(rank - step - 1) % n], (rank + 1) % n),
-                       lablib.irecv(incoming, (rank - 1) % n)]
-            for h in handles:
-                h.wait()
+            lablib.exchange(sends=[(partial[(rank - step - 1) % n], (rank + 1) % n)],
+                            recvs=[(incoming, (rank - 1) % n)]).wait()
             partial[(rank - step - 2) % n] += incoming
         output.view(-1).copy_(partial[rank])
 
     t = time.perf_counter()
-    with pytest.raises(CheckFailed, match="(?s)deadlock.*Hint: every rank is blocked in send, and a blocking send waits"):
+    with pytest.raises(CheckFailed, match="(?s)deadlock under NCCL's rules.*if every rank sends first, nobody receives. "
+                                          "Alternate the order.*rank \\d in send"):
         check_ring_blocking(everyone_sends_first, fragile)
     assert time.perf_counter() - t < fragile.timeout + HUNG
     with pytest.raises(CheckFailed, match="differs from what dist.all_gather_into_tensor gives.*copy your own input"):
@@ -161,6 +159,30 @@ def test_ring_checks_teach(fragile):
     with pytest.raises(CheckFailed, match="ring_reduce_scatter is lablib's own"):
         check_ring_reduce_scatter(ring.ring_reduce_scatter, fragile)
     check_ring_reduce_scatter(ring_reduce_scatter, fragile)
+
+
+def _ungrouped_reduce_scatter(output, input):  # the send and the receive of a step posted apart
+    rank, n = dist.get_rank(), dist.get_world_size()
+    partial = input.reshape(n, -1).clone()
+    incoming = torch.empty_like(partial[0])
+    for step in range(n - 1):
+        handles = [lablib.isend(partial[(rank - step - 1) % n], (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        for h in handles:
+            h.wait()
+        partial[(rank - step - 2) % n] += incoming
+    output.view(-1).copy_(partial[rank])
+
+
+def test_a_ring_posted_ungrouped_deadlocks_under_nccls_rules_and_passes_on_gloo_alone(fragile, monkeypatch):
+    """NCCL runs a rank's sends and receives in the order posted and a send waits for its receive: every rank's
+    send first is a deadlock there at every P. The check holds Gloo to that and names the fix; Gloo alone lets
+    the same code through."""
+    from lablib import p2p
+
+    with pytest.raises(CheckFailed, match=r"(?s)NCCL's rules.*lablib.exchange\(sends=.*rank \d waits to send to rank \d"):
+        check_ring_reduce_scatter(_ungrouped_reduce_scatter, fragile)
+    monkeypatch.setattr(p2p, "CHECKS", False)
+    check_ring_reduce_scatter(_ungrouped_reduce_scatter, fragile)
 
 
 def _three_collectives():

@@ -29,17 +29,16 @@ def ring_all_gather_blocking(output: torch.Tensor, input: torch.Tensor) -> None:
 
 
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
-    """``output`` (N chunks the size of ``input``) gets every rank's ``input``, in rank order."""
+    """``output`` (N chunks the size of ``input``) gets every rank's ``input``, in rank order. Each step's send
+    and receive go as one exchange: posted apart, NCCL could run every rank's send first and deadlock."""
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = output.view(n, -1)
     chunks[rank].copy_(input.view(-1))
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
-        works = [comm.isend(chunks[send_c], right, name=f"step {step}: send chunk {send_c}", step=step, chunk=send_c),
-                 comm.irecv(chunks[recv_c], left, name=f"step {step}: recv chunk {recv_c}", step=step, chunk=recv_c)]
-        for w in works:
-            w.wait()
+        comm.exchange(sends=[(chunks[send_c], right)], recvs=[(chunks[recv_c], left)], name=f"step {step}",
+                      step=step, chunk=send_c).wait()  # chunk: the one sent
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -50,10 +49,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
-        works = [comm.isend(acc[send_c], right, name=f"step {step}: send chunk {send_c}", step=step, chunk=send_c),
-                 comm.irecv(incoming, left, name=f"step {step}: recv chunk {recv_c}", step=step, chunk=recv_c)]
-        for w in works:
-            w.wait()
+        comm.exchange(sends=[(acc[send_c], right)], recvs=[(incoming, left)], name=f"step {step}", step=step,
+                      chunk=send_c).wait()
         acc[recv_c] += incoming
     output.view(-1).copy_(acc[rank])
 

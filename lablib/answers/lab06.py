@@ -39,7 +39,8 @@ def _ring(rank: int, n: int):
 
 def ring_attention(q, k, v, positions, causal: bool):
     """This rank's queries against every rank's keys and values, passed round the ring: at each step the
-    next chunk's transfer is posted before this one is computed, so it travels under the compute.
+    next chunk's transfer is posted before this one is computed, so it travels under the compute. The send
+    right and the receive from the left go as one exchange: posted apart, NCCL may deadlock on them.
     ``positions[r]``: the positions rank r holds. Returns (out, lse) of this rank's queries."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = _ring(rank, n)
@@ -50,13 +51,12 @@ def ring_attention(q, k, v, positions, causal: bool):
         src = (rank - step) % n
         if step < n - 1:
             incoming = torch.empty_like(held)
-            works = [comm.isend(held, right, name=f"send K/V {src}"), comm.irecv(incoming, left, name=f"recv K/V {(src - 1) % n}")]
+            hop = comm.exchange(sends=[(held, right)], recvs=[(incoming, left)], name=f"hop {step}")
         k_pos = positions[src]
         if not causal or k_pos.min() <= pos.max():  # a block wholly above the diagonal is skipped
             out, lse = merge(out, lse, *attend(q, held[0], held[1], pos, k_pos, causal))
         if step < n - 1:
-            for w in works:
-                w.wait()
+            hop.wait()
             held = incoming
     return out, lse
 
@@ -87,10 +87,7 @@ def ring_attention_backward(q, k, v, positions, out, lse, grad_out, causal: bool
             dq += ds @ kk * scale
             dk += ds.transpose(-2, -1) @ q * scale
         incoming = torch.empty_like(travelling)
-        works = [comm.isend(travelling, right, name=f"send K/V/dK/dV {src}"),
-                 comm.irecv(incoming, left, name=f"recv K/V/dK/dV {(src - 1) % n}")]
-        for w in works:
-            w.wait()
+        comm.exchange(sends=[(travelling, right)], recvs=[(incoming, left)], name=f"hop {step}").wait()
         travelling = incoming
     return dq, travelling[2], travelling[3]  # after n hops, this rank's own dK and dV are back
 

@@ -79,12 +79,12 @@ def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str, seed=No
             where = f"{fn_name} on {n} ranks, {dtype}, chunks of {chunk}"
             if collectives:
                 raise CheckFailed(f"{task}: {where}: rank {rank} called {', '.join(collectives)}. Build the ring "
-                                  "from point-to-point messages only (lablib.send/recv/isend/irecv).")
+                                  "from point-to-point messages only (lablib.send/recv/exchange).")
             if sends != steps:
                 raise CheckFailed(
-                    f"{task}: {where}: rank {rank} sent {sends} message(s) through lablib's send/isend, the ring "
+                    f"{task}: {where}: rank {rank} sent {sends} message(s) through lablib's send/exchange, the ring "
                     f"sends {steps} ({'2 x ' if op == 'all_reduce' else ''}N-1 steps, one message each). "
-                    "Use lablib.send/recv/isend/irecv (so the timeline can show the ring), one send per step.")
+                    "Use lablib.send/recv/exchange (so the timeline can show the ring), one send per step.")
             chunk_bytes = chunk * _DTYPES[dtype].itemsize  # the all-reduce's padded chunk too
             if any(b != chunk_bytes for b in sent):
                 raise CheckFailed(
@@ -106,7 +106,8 @@ def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str, seed=No
 
 def _ring_check(task: str, op: str, params: tuple, forbidden: dict) -> Check:
     def collect(fns, pool, seed):
-        return run_on_ranks(pool, task, ring_job, fns[0], op, seed, hints=_RING_HINTS)
+        strict = _SENDS_FIRST if task == "Task 2.1" else _UNGROUPED
+        return run_on_ranks(pool, task, ring_job, fns[0], op, seed, hints=(("(NCCL's rules)", strict),) + _RING_HINTS)
 
     def judge(data, world_size, seed):
         judge_ring(task, op, world_size, data, params[0], seed)
@@ -117,12 +118,12 @@ def _ring_check(task: str, op: str, params: tuple, forbidden: dict) -> Check:
     return Check(task, params, collect, judge, world_sizes=(2, 3, 4), forbidden=forbidden, every_size=True)
 
 
-_BLOCKING = {**COLLECTIVES, **{name: "Task 2.1 asks for blocking lablib.send and lablib.recv (isend/irecv come "
-                                    "in Task 2.2)" for name in ("isend", "irecv")}}
+_BLOCKING = {**COLLECTIVES, **{name: "Task 2.1 asks for blocking lablib.send and lablib.recv (the exchange comes "
+                                    "in Task 2.2)" for name in ("isend", "irecv", "exchange")}}
 check_ring_blocking = _ring_check("Task 2.1", "all_gather", ("ring_all_gather_blocking",), _BLOCKING)
 """Task 2.1: ring all-gather with blocking send and recv."""
 check_ring_all_gather = _ring_check("Task 2.2", "all_gather", ("ring_all_gather",), COLLECTIVES)
-"""Task 2.2: ring all-gather with isend and irecv."""
+"""Task 2.2: ring all-gather with lablib.exchange."""
 check_ring_reduce_scatter = _ring_check("Task 2.3", "reduce_scatter", ("ring_reduce_scatter",), COLLECTIVES)
 """Task 2.3: ring reduce-scatter."""
 check_ring_all_reduce = _ring_check("Task 2.4", "all_reduce", ("ring_all_reduce",), COLLECTIVES)
@@ -130,6 +131,12 @@ check_ring_all_reduce = _ring_check("Task 2.4", "all_reduce", ("ring_all_reduce"
 
 
 _DEADLOCK = "a deadlock: ranks are blocked in send or recv, waiting for each other (see the Hint below)."
+_UNGROUPED = ("a deadlock under NCCL's rules, which these checks hold Gloo to: each rank posted its send and its "
+              "receive apart, so every rank's send waits for a receive its peer has not begun. Post them together: "
+              "lablib.exchange(sends=[(chunk, right)], recvs=[(buffer, left)]).wait().")
+_SENDS_FIRST = ("a deadlock under NCCL's rules, which these checks hold Gloo to: a blocking send returns only once "
+                "its peer has begun the matching receive, so if every rank sends first, nobody receives. Alternate "
+                "the order: even ranks send first, odd ranks receive first.")
 _RING_HINTS = tuple((f"in {op}", _DEADLOCK) for op in ("send", "recv", "isend", "irecv"))
 _RING_OP_HINTS = {
     "all_gather": "At step s rank r sends chunk (r - s) mod N to rank r+1 and receives chunk (r - s - 1) mod N "

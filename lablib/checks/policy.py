@@ -34,7 +34,7 @@ MODULES = {"torch", "torch.distributed", "torch.nn", "torch.nn.functional", "mat
 # Modules an attribute chain may pass through (torch.serialization.pickle leaves them: refused).
 OWN_MODULES = ("torch", "math", "lablib", "functools", "itertools", "collections")
 LABLIB_PUBLIC = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier", "send", "recv",
-                 "isend", "irecv", "attend", "expert", "span", "device", "to_device", "cluster", "Cluster", "RankError", "Timeline", "Span"}
+                 "isend", "irecv", "exchange", "attend", "expert", "span", "device", "to_device", "cluster", "Cluster", "RankError", "Timeline", "Span"}
 TORCH_DENIED = {"save", "load", "hub", "utils", "ops", "classes", "jit", "library", "package", "multiprocessing",
                 # the random state: a check's weights and inputs are drawn from seeds the code must not replay
                 "manual_seed", "initial_seed", "seed", "get_rng_state", "set_rng_state", "random", "default_generator",
@@ -55,7 +55,7 @@ DIST_QUERIES = {"get_rank", "get_world_size", "ReduceOp", "is_initialized", "get
 
 # Collectives a ring must not call, with what to do instead (lab 02). A key starting with "~" matches
 # any attribute that contains it (all_gather_coalesced, allgather, reduce_scatter_tensor, ...).
-COLLECTIVES = {name: "build it from point-to-point messages, lablib.send/recv/isend/irecv" for name in (
+COLLECTIVES = {name: "build it from point-to-point messages, lablib.send/recv/exchange" for name in (
     "~gather", "~reduce", "~scatter", "~broadcast", "~all_to_all", "~alltoall", "~_object", "~coalesced",
     "dist.send", "dist.recv", "dist.isend", "dist.irecv", "batch_isend_irecv", "P2POp")}
 
