@@ -379,22 +379,23 @@ class Exchange:
 
 def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
     """Sends and receives that must be in flight together, posted as one: ``sends`` [(tensor, dst)],
-    ``recvs`` [(tensor, src)]. Returns one handle; wait on it before reading a received tensor or writing a
-    sent one. Under NCCL this is one ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a
-    time, in the order posted, and a send completes only once its receive has begun: a send and a receive
-    posted apart can deadlock, grouped they cannot); on Gloo the messages are posted one by one, receives
-    first. Each message is a span of its own: "``name``: send" and "``name``: recv", or named after its peer."""
-    pairs = {"sends": sends, "recvs": recvs}
-    for what, given in pairs.items():
+    ``recvs`` [(tensor, src)] (a third item names a message's span: ``(y, dst, "send F3")``). Returns one
+    handle; wait on it before reading a received tensor or writing a sent one. Under NCCL this is one
+    ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a time, in the order posted, and a
+    send completes only once its receive has begun: a send and a receive posted apart can deadlock, grouped
+    they cannot); on Gloo the messages are posted one by one, receives first. Each message is a span of its
+    own: "``name``: send" and "``name``: recv", or named after its peer."""
+    for what, given in {"sends": sends, "recvs": recvs}.items():
         if not isinstance(given, (list, tuple)) or not all(
-                isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(x[0], torch.Tensor)
+                isinstance(x, (list, tuple)) and len(x) in (2, 3) and isinstance(x[0], torch.Tensor)
                 and isinstance(x[1], int) and not isinstance(x[1], bool) for x in given):
             raise TypeError(f"lablib.exchange({what}=...) takes a list of (tensor, rank) pairs, e.g. {what}="
                             f"[(buffer, {'right' if what == 'sends' else 'left'})]; got {given!r:.80}")
     if not sends and not recvs:
         raise ValueError("lablib.exchange() got no sends and no recvs: give it the messages to post together")
     batch = p2p.Batch(group)
-    works = [_p2p(None, op, t, peer, group, name and f"{name}: {op}", True, dict(meta), batch)
-             for op, given in (("recv", recvs), ("send", sends)) for t, peer in given]
+    works = [_p2p(None, op, x[0], x[1], group, x[2] if len(x) == 3 else name and f"{name}: {op}", True, dict(meta),
+                  batch)
+             for op, given in (("recv", recvs), ("send", sends)) for x in given]
     batch.launch()
     return Exchange(works)

@@ -102,16 +102,16 @@ class _Op:
         return " and ".join(f"'{t}'" for t in self.texts)
 
     def run(self, store) -> None:
-        for _, _, k in self.recvs:
-            store.set(k + "/ready", b"1")  # the receive has begun: the peer's send may complete
         works = []
+        for t, peer, k in self.recvs:  # the receives begin: the peers' sends may complete
+            works.append(dist.irecv(t, peer, self.group))
+            store.set(k + "/ready", b"1")
         for t, peer, k in self.sends:
             self._await(store, k + "/ready", peer, "send to")
             store.set(k + "/sent", b"1")
             works.append(dist.isend(t, peer, self.group))
-        for t, peer, k in self.recvs:
+        for _, peer, k in self.recvs:  # (waited for here, not in Gloo: a rank left waiting can say for what)
             self._await(store, k + "/sent", peer, "receive from")
-            works.append(dist.irecv(t, peer, self.group))
         for w in works:
             w.wait()
 
@@ -169,7 +169,8 @@ class _Queue:
             op = self.ops.get()
             try:
                 if self.failed is not None:
-                    raise RuntimeError(f"not run: {self.failed.describe()} failed before it on this rank")
+                    raise RuntimeError(f"not run: {self.failed.describe()} failed before it on this rank: "
+                                       f"{type(self.failed.error).__name__}: {self.failed.error}")
                 op.run(self.store)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the operation
                 op.error, self.failed = exc, self.failed or op

@@ -108,43 +108,60 @@ def validate(schedule, m, v=1):
 
 
 def execute(stages, actions):
-    _execute(stages, actions, 0)
+    _execute(stages, actions)
 
 
-def _execute(stages, actions, grad_tag_off, wrap=True, send=lablib.isend, wait_recvs=True, wait_sends=True):
-    """The executor; ``grad_tag_off``: receive each gradient under the tag of a stage that many further on;
-    ``wrap=False``: send activations to rank s + 1, not (s + 1) % world_size; ``send``: how it sends;
-    ``wait_recvs``/``wait_sends=False``: the handles of receives or sends are never waited for."""
+def _execute(stages, actions, wrap=True, grouped=True, blocking=False, wait_recvs=True, wait_sends=True):
+    """A second executor, with mistakes to choose: ``grouped=False`` posts each send on its own after its action and
+    each receive before its action (fine on Gloo, a deadlock under NCCL's rules); ``grouped="pairs"`` sends with
+    the next action's receive only, also when an F lies between two B's (the interleaved schedule deadlocks);
+    ``blocking``: blocking sends; ``wrap=False``: activations to rank s + 1, not (s + 1) % world_size;
+    ``wait_recvs``/``wait_sends=False``: the handles of receives or of sends are never waited for."""
     n = torch.distributed.get_world_size()
-    split = any(kind == "W" for kind, _, _ in actions)
-    sends = []
-    for kind, mb, s in actions:
-        stage = stages[s]
-        if kind == "F":
-            x = None
-            if not stage.first:
-                x = stage.buffer()
-                work = lablib.irecv(x, (s - 1) % n, tag=4 * (1000 * mb + s))
-                if wait_recvs:
-                    work.wait()
-            y = stage.forward(mb, x)
-            if not stage.last:
-                sends.append(send(y, (s + 1) % n if wrap else s + 1, tag=4 * (1000 * mb + s + 1)))
-        elif kind == "B":
-            grad = None
-            if not stage.last:
-                grad = stage.buffer()
-                work = lablib.irecv(grad, (s + 1) % n, tag=4 * (1000 * mb + s + grad_tag_off) + 1)
-                if wait_recvs:
-                    work.wait()
-            gx = stage.backward(mb, grad, weights=not split)
-            if not stage.first:
-                sends.append(send(gx, (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
-        else:
+    acts = [tuple(a) for a in actions]
+    split = any(kind == "W" for kind, _, _ in acts)
+    src = [(s - 1) % n if k == "F" and not stages[s].first else (s + 1) % n if k == "B" and not stages[s].last else None
+           for k, _, s in acts]
+    dst = [((s + 1) % n if wrap else s + 1) if k == "F" and not stages[s].last else (s - 1) % n
+           if k == "B" and not stages[s].first else None for k, _, s in acts]
+    later = [grouped is True and dst[i] is not None and 0 < i < len(acts) - 1 and k == "F" and acts[i - 1][0] == "B"
+             and acts[i + 1][0] == "B" and dst[i + 1] is not None for i, (k, _, _) in enumerate(acts)]
+    inbox, carried, sends = {}, [], []
+    for i, (kind, mb, s) in enumerate(acts):
+        stage, x = stages[s], None
+        if src[i] is not None:
+            x, work = inbox.pop(i) if i in inbox else (lambda b: (b, lablib.irecv(b, src[i])))(stage.buffer())
+            if wait_recvs:
+                work.wait()
+        if kind == "W":
             stage.backward_weight(mb)
+            continue
+        y = stage.forward(mb, x) if kind == "F" else stage.backward(mb, x, weights=not split)
+        if dst[i] is None:
+            continue
+        if blocking:
+            lablib.send(y, dst[i])
+            continue
+        if not grouped:
+            sends.append(lablib.isend(y, dst[i]))
+            continue
+        carried.append((y, dst[i]))
+        if later[i]:
+            continue
+        recvs, into = [], []
+        for j in range(i + 1, len(acts)):
+            if src[j] is not None:
+                recvs.append((stages[acts[j][2]].buffer(), src[j]))
+                into.append(j)
+            if grouped == "pairs" or (dst[j] is not None and not later[j]):
+                break
+        work = lablib.exchange(sends=carried, recvs=recvs)
+        inbox.update({j: (buf, work) for j, (buf, _) in zip(into, recvs)})
+        carried = []
+        if not recvs:
+            sends.append(work)
     for work in sends if wait_sends else ():
-        if work is not None:
-            work.wait()
+        work.wait()
 
 
 # -- typical mistakes ---------------------------------------------------------------------------------------
@@ -199,29 +216,35 @@ def validate_twice_first(schedule, m, v=1):
     return validate(schedule, m, v)
 
 
-def execute_wrong_tag(stages, actions):
-    """Receives each gradient under the tag of the stage after: its send never comes."""
-    _execute(stages, actions, 1)
+def execute_ungrouped(stages, actions):
+    """Each send posted on its own after its action, each receive before its action: 1F1B's rank 0 sends F1
+    while rank 1 sends B0, and under NCCL each send waits for the other's receive."""
+    _execute(stages, actions, grouped=False)
+
+
+def execute_pairs(stages, actions):
+    """Each send with the next action's receive only: right for 1F1B, a deadlock in the interleaved schedule."""
+    _execute(stages, actions, grouped="pairs")
 
 
 def execute_unwrapped(stages, actions):
     """Sends activations to rank s + 1: past the last rank when the stages wrap around (interleaved)."""
-    _execute(stages, actions, 0, wrap=False)
+    _execute(stages, actions, wrap=False)
 
 
 def execute_blocking_send(stages, actions):
     """Blocking sends: 1F1B's rank 0 sends F1 while rank 1 sends B0, each waiting for the other to receive."""
-    _execute(stages, actions, 0, send=lablib.send)
+    _execute(stages, actions, blocking=True)
 
 
 def execute_never_waits_sends(stages, actions):
-    """Drops the sends' handles: Gloo delivers them anyway, but the buffers may be read after the step."""
-    _execute(stages, actions, 0, wait_sends=False)
+    """Drops the handles of the sends that go without a receive: the buffers may be read after the step."""
+    _execute(stages, actions, wait_sends=False)
 
 
 def execute_never_waits_recvs(stages, actions):
     """Computes on a receive buffer without waiting for its message."""
-    _execute(stages, actions, 0, wait_recvs=False)
+    _execute(stages, actions, wait_recvs=False, wait_sends=False)
 
 
 def execute_full_backward(stages, actions):
@@ -362,17 +385,21 @@ def test_mistakes_are_named(check, fns, message):
 def test_executor_mistakes_are_named(fragile):
     if fragile.world_size != 2:
         pytest.skip("one world size is enough")
-    with pytest.raises(CheckFailed, match="waited for a message that never came"):
-        check_execute(execute_wrong_tag, fragile, world_size=2, seed=1)
+    with pytest.raises(CheckFailed, match=r"(?s)Likely: a deadlock under NCCL's rules.*as one lablib.exchange.*"
+                                          r"\(NCCL's rules\): rank \d waits to send to rank \d"):
+        check_execute(execute_ungrouped, fragile, world_size=2, seed=1)
+    with pytest.raises(CheckFailed, match=r"Likely: the interleaved schedule deadlocks under NCCL's rules.*An F between "
+                                          "two B's sends with the B after it"):
+        check_execute(execute_pairs, fragile, world_size=2, seed=1)
     with pytest.raises(CheckFailed, match="with W actions in the schedule, B must be"):
         check_execute(execute_full_backward, fragile, world_size=2, seed=1)
     with pytest.raises(CheckFailed) as err:
         check_execute(execute_blocking_send, fragile, world_size=2, seed=1)
     likely = str(err.value).split("\n")[0]
-    assert "Likely: every rank is blocked in a send" in likely and "lablib.isend" in likely and "tag" not in likely
+    assert "Likely: every rank is blocked in a send" in likely and "lablib.exchange" in likely and "tag" not in likely
     with pytest.raises(CheckFailed, match=r"rank 0 never waited for \d+ of its isends' handles\. An isend's buffer"):
         check_execute(execute_never_waits_sends, fragile, world_size=2, seed=1)
-    with pytest.raises(CheckFailed, match=r"never waited for \d+ of its irecvs' handles\. An irecv's buffer holds"):
+    with pytest.raises(CheckFailed, match=r"never waited for .*\d+ of its irecvs' handles\. An irecv's buffer holds"):
         check_execute(execute_never_waits_recvs, fragile, world_size=2, seed=1)
 
 
@@ -467,21 +494,21 @@ def test_ways_around_the_traced_messages_are_refused(source, found):
 
 # -- what a red team found ------------------------------------------------------------------------------------------
 def execute_hiding_the_stages(stages, actions):
-    """Moves empty messages of the right size, computes nothing, and hides the stages from the check."""
+    """Moves empty messages of the right size (all in one exchange), computes nothing, and hides the stages from
+    the check."""
     n = torch.distributed.get_world_size()
-    works = []
+    sends, recvs = [], []
     for kind, mb, s in actions:
         st = stages[s]
         if kind == "F" and not st.first:
-            lablib.irecv(st.buffer(), (s - 1) % n, tag=4 * (1000 * mb + s)).wait()
+            recvs.append((st.buffer(), (s - 1) % n))
         if kind == "F" and not st.last:
-            works.append(lablib.isend(st.buffer(), (s + 1) % n, tag=4 * (1000 * mb + s + 1)))
+            sends.append((st.buffer(), (s + 1) % n))
         if kind == "B" and not st.last:
-            lablib.irecv(st.buffer(), (s + 1) % n, tag=4 * (1000 * mb + s) + 1).wait()
+            recvs.append((st.buffer(), (s + 1) % n))
         if kind == "B" and not st.first:
-            works.append(lablib.isend(st.buffer(), (s - 1) % n, tag=4 * (1000 * mb + s - 1) + 1))
-    for w in works:
-        w.wait()
+            sends.append((st.buffer(), (s - 1) % n))
+    lablib.exchange(sends=sends, recvs=recvs).wait()
     stages.clear()
 
 

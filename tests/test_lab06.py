@@ -78,7 +78,7 @@ def test_ring_attention_forward_and_backward_match_single_process_sdpa(cluster, 
         assert (_whole(results, "grads", i) - t.grad).abs().max() < 1e-4, ("dq", "dk", "dv")[i]
     n, chunk = cluster.world_size, SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3] // cluster.world_size * 4
     for r in results:  # K and V travel as one message per hop, n - 1 hops: no gather of the whole sequence
-        assert r["ops"] == [f"send {2 * chunk}", f"recv {2 * chunk}"] * (n - 1)
+        assert r["ops"] == [f"recv {2 * chunk}", f"send {2 * chunk}"] * (n - 1)
 
 
 def _allgather_job(layout, causal):
@@ -219,7 +219,7 @@ def ring_to_everyone(q, k, v, positions, causal):
     for other in range(n):
         if other != rank:
             chunks[other] = torch.empty_like(chunks[rank])
-            works += [lablib.isend(chunks[rank], other), lablib.irecv(chunks[other], other)]
+            works += [lablib.exchange(sends=[(chunks[rank], other)], recvs=[(chunks[other], other)])]
     for w in works:
         w.wait()
     for other in range(n):
@@ -237,7 +237,7 @@ def ring_own_positions(q, k, v, positions, causal):
         out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[rank], causal))
         if step < n - 1:
             incoming = torch.empty_like(held)
-            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            works = [lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
             for w in works:
                 w.wait()
             held = incoming
@@ -251,6 +251,40 @@ def ring_gathered(q, k, v, positions, causal):
     return q, q
 
 
+def ring_ungrouped(q, k, v, positions, causal):
+    """The ring with each hop's send and receive posted apart: fine on Gloo, a deadlock under NCCL."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    held = torch.stack([k, v])
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
+    for step in range(n):
+        src = (rank - step) % n
+        if step < n - 1:
+            incoming = torch.empty_like(held)
+            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
+        if step < n - 1:
+            for w in works:
+                w.wait()
+            held = incoming
+    return out, lse
+
+
+def backward_ungrouped(*args):
+    return _ring_backward(*args, probs=_final_lse, grouped=False)
+
+
+def test_a_hop_posted_ungrouped_deadlocks_under_nccls_rules_and_passes_on_gloo_alone(fragile, monkeypatch):
+    from lablib import p2p
+
+    for check, fn in ((check_ring, ring_ungrouped), (check_ring_backward, backward_ungrouped)):
+        with pytest.raises(CheckFailed, match=r"(?s)Likely: a hop's send and receive were posted apart.*lablib.exchange"
+                                              r".*\(NCCL's rules\): rank \d waits to send to rank \d"):
+            check(fn, fragile)
+    monkeypatch.setattr(p2p, "CHECKS", False)
+    check_ring(ring_ungrouped, fragile)
+    check_ring_backward(backward_ungrouped, fragile)
+
+
 def test_ring_mistakes_are_named(cluster):
     if cluster.world_size > 2:  # with 2 ranks, the next rank is every other rank
         with pytest.raises(CheckFailed, match="each rank sends only to the next"):
@@ -261,7 +295,7 @@ def test_ring_mistakes_are_named(cluster):
         check_ring(ring_gathered, cluster)
 
 
-def _ring_backward(q, k, v, positions, out, lse, grad_out, causal, probs, home=True):
+def _ring_backward(q, k, v, positions, out, lse, grad_out, causal, probs, home=True, grouped=True):
     """Task 6.3's backward with a mistake: ``probs(scores, lse)`` the block's probabilities; ``home=False``
     sends the gradients on only between blocks."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -282,7 +316,8 @@ def _ring_backward(q, k, v, positions, out, lse, grad_out, causal, probs, home=T
         dk += ds.transpose(-2, -1) @ q * scale
         if home or step < n - 1:
             incoming = torch.empty_like(travelling)
-            works = [lablib.isend(travelling, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            works = ([lablib.exchange(sends=[(travelling, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
+                     if grouped else [lablib.isend(travelling, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)])
             for w in works:
                 w.wait()
             travelling = incoming
@@ -340,7 +375,7 @@ def ring_recv_late(q, k, v, positions, causal):
         out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
         if step < n - 1:
             incoming = torch.empty_like(held)
-            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            works = [lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
             for w in works:
                 w.wait()
             held = incoming
@@ -361,7 +396,7 @@ def _exchange():
     x, got = torch.full((250_000,), float(r)), torch.empty(250_000)  # 1 MB each way
     dist.barrier()
     with comm.simulated(SLOW):
-        works = [lablib.isend(x, 1 - r), lablib.irecv(got, 1 - r)]
+        works = [lablib.exchange(sends=[(x, 1 - r)], recvs=[(got, 1 - r)])]
         for w in works:
             w.wait()
         dist.barrier()
@@ -407,7 +442,7 @@ def ring_then_all_at_once(q, k, v, positions, causal):
     held, kept = torch.stack([k, v]), {rank: torch.stack([k, v])}
     for step in range(1, n):
         incoming = torch.empty_like(held)
-        works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+        works = [lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
         for w in works:
             w.wait()
         held = kept[(rank - step) % n] = incoming
@@ -476,7 +511,7 @@ def ring_without_wait(q, k, v, positions, causal):
         src = (rank - step) % n
         if step < n - 1:
             incoming = torch.empty_like(held)
-            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            works = [lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
         out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
         if step < n - 1:
             held = incoming
@@ -492,7 +527,7 @@ def ring_waiting_at_the_end(q, k, v, positions, causal):
         src = (rank - step) % n
         if step < n - 1:
             incoming = torch.empty_like(held)
-            works += [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            works += [lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
         out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
         if step < n - 1:
             held = incoming

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import comm
-from ..strategies.pipeline import tag
 from ..strategies.schedules import Action, as_actions, needs
 
 TASKS = {"Task 5.1": ("gpipe", "one_f_one_b"), "Task 5.2": ("interleaved", "zb_h1"), "Task 5.3": ("validate",),
@@ -200,34 +199,67 @@ RULES = (("an action that cannot be on its rank", misplaced), ("an action listed
 
 # -- the executor -------------------------------------------------------------------------------------------
 def execute(stages: dict, actions, group=None) -> None:
-    """Run this rank's actions in order: receive what an action needs (a blocking wait on an irecv),
-    compute, send what it made on (isend: the next action need not wait for the peer). ``group``: the
-    pipeline's ranks, stage s's neighbours the group's ranks s ± 1 (None: every rank, in order)."""
+    """Run this rank's actions in order: receive what an action needs, compute, send what it made on.
+    ``group``: the pipeline's ranks, stage s's neighbours the group's ranks s ± 1 (None: every rank).
+
+    Under NCCL a rank's sends and receives run one at a time, in the order posted, and a send completes only
+    once its receive has begun: two neighbours that each send before they receive wait for each other for
+    ever. So the send after an action goes as one ``lablib.exchange`` with the receive the next action needs
+    (Megatron-LM's send_forward_recv_backward and send_backward_recv_forward). An F between two B's (the
+    interleaved schedule's steady state) sends with the B after it: one exchange of both sends and the next
+    receives, as Megatron's interleaved schedule does; paired one by one, its rings of stages deadlock."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    n = len(ranks)
-    split = any(a[0] == "W" for a in actions)
-    sends = []
-    for kind, mb, s in actions:
-        stage = stages[s]
-        if kind == "F":
-            x = None
-            if not stage.first:
+    n, acts = len(ranks), [tuple(a) for a in actions]
+    split = any(a[0] == "W" for a in acts)
+
+    def source(a):  # the rank an action receives from, or None
+        kind, _, s = a
+        if kind == "F" and not stages[s].first:
+            return ranks[(s - 1) % n]
+        return ranks[(s + 1) % n] if kind == "B" and not stages[s].last else None
+
+    def target(a):  # the rank an action sends to, or None
+        kind, _, s = a
+        if kind == "F" and not stages[s].last:
+            return ranks[(s + 1) % n]
+        return ranks[(s - 1) % n] if kind == "B" and not stages[s].first else None
+
+    last = len(acts) - 1
+    later = [target(a) is not None and 0 < i < last and a[0] == "F" and acts[i - 1][0] == "B" and acts[i + 1][0] == "B"
+             and target(acts[i + 1]) is not None for i, a in enumerate(acts)]
+    inbox, carried, handles = {}, [], []  # inbox: action index -> (buffer, the handle that fills it)
+    for i, (kind, mb, s) in enumerate(acts):
+        stage, x = stages[s], None
+        if source(acts[i]) is not None:
+            if i not in inbox:
                 x = stage.buffer()
-                comm.irecv(x, ranks[(s - 1) % n], tag=tag("F", mb, s), name=f"recv F{mb}").wait()
+                inbox[i] = (x, comm.irecv(x, source(acts[i]), name=f"recv {kind}{mb}"))
+            x, handle = inbox.pop(i)
+            handle.wait()
+        if kind == "F":
             y = stage.forward(mb, x)
-            if not stage.last:
-                sends.append(comm.isend(y, ranks[(s + 1) % n], tag=tag("F", mb, s + 1), name=f"send F{mb}"))
         elif kind == "B":
-            g = None
-            if not stage.last:
-                g = stage.buffer()
-                comm.irecv(g, ranks[(s + 1) % n], tag=tag("B", mb, s), name=f"recv B{mb}").wait()
-            gx = stage.backward(mb, g, weights=not split)
-            if not stage.first:
-                sends.append(comm.isend(gx, ranks[(s - 1) % n], tag=tag("B", mb, s - 1), name=f"send B{mb}"))
+            y = stage.backward(mb, x, weights=not split)
         else:
             stage.backward_weight(mb)
-    for work in sends:
-        work.wait()
+            continue
+        if target(acts[i]) is None:
+            continue
+        carried.append((y, target(acts[i]), f"send {kind}{mb}"))
+        if later[i]:
+            continue
+        recvs, into = [], []
+        for j in range(i + 1, len(acts)):  # the receives of the actions up to the next send
+            if source(acts[j]) is not None:
+                recvs.append((stages[acts[j][2]].buffer(), source(acts[j]), f"recv {acts[j][0]}{acts[j][1]}"))
+                into.append(j)
+            if target(acts[j]) is not None and not later[j]:
+                break
+        handle = comm.exchange(sends=carried, recvs=recvs)
+        inbox.update({j: (buf, handle) for j, (buf, _, _) in zip(into, recvs)})
+        handles.append(handle)
+        carried = []
+    for handle in handles:
+        handle.wait()

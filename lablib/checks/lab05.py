@@ -16,7 +16,7 @@ from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks
 from .lab05_cases import _bank, _validate_cases
 
 FORBIDDEN = {
-    "dist.*": "stages talk through lablib's traced point-to-point calls (lablib.isend, lablib.irecv), so the "
+    "dist.*": "stages talk through lablib's traced point-to-point calls (lablib.exchange, lablib.irecv), so the "
               "checks and the timeline see them; of torch.distributed they may ask get_rank and get_world_size",
     "pipelining": "torch.distributed.pipelining is what the lab compares with; build the schedule yourself",
     "~Schedule": "torch.distributed.pipelining is what the lab compares with; build the schedule yourself",
@@ -238,15 +238,28 @@ _HINTS = (
      lambda found: f"rank {found[1]} {'sent to' if found[3] == 'send' else 'received from'} rank {found[4]}, but the "
                    f"world has {found[2]} ranks: stage s runs on rank s % world_size, so the stage after s is on rank "
                    "(s + 1) % world_size and the one before on (s - 1) % world_size."),
-    # every rank that timed out was in a send: not a wrong peer or tag, but sends that wait for their receiver
+    # NCCL's rules (lablib.p2p): the interleaved schedule's rings of stages need an F's send to go with the B after it
+    (re.compile(r"\(NCCL's rules\)(?s:.*)while running the interleaved schedule"),
+     "the interleaved schedule deadlocks under NCCL's rules, which these checks hold Gloo to, when each send goes "
+     "with only the next action's receive: with v stages a rank the stages form rings, and each rank's send waits for "
+     "a neighbour that is itself sending. An F between two B's sends with the B after it: one lablib.exchange of "
+     "both sends and the receives of the next F and B, as Megatron-LM's interleaved schedule does."),
+    # every rank that timed out was in a send: sends that wait for their receiver
     (re.compile(r"timed out after \S+ s waiting for a peer: rank \d+ in send(, rank \d+ in send)*$", re.M),
      "every rank is blocked in a send: a blocking send (lablib.send) returns only once its peer has received, "
-     "and the peer is sending too. Send with lablib.isend, keep the handles, and wait for them after the last "
-     "action, as the task asks."),
+     "and the peer is sending too. Post the send after an action with the receive the next action needs, as one "
+     "lablib.exchange, and wait on it before the next action."),
+    (re.compile(r"\(NCCL's rules\)"),
+     "a deadlock under NCCL's rules, which these checks hold Gloo to: each rank's sends and receives run one at a "
+     "time in the order posted, and a send completes only once its receive has begun, so a send posted on its own "
+     "after one action and the receive of the next wait for each other across neighbours. Post the send after an "
+     "action and the receive the next action needs as one lablib.exchange(sends=[...], recvs=[...]) (Megatron-LM's "
+     "send_forward_recv_backward), and wait on it before the next action."),
     ("timed out", "a rank waited for a message that never came: the two sides of a message must agree on the "
-                  "peer (stage s is on rank s % world_size) and the tag (the same on both sides)."),
-    ("needs the activations", "receive the activations from the stage before into stage.buffer() (lablib.irecv(...)"
-                              ".wait()) and pass them to stage.forward."),
+                  "peer (stage s is on rank s % world_size) and on the order (messages between two ranks match "
+                  "in the order posted)."),
+    ("needs the activations", "receive the activations from the stage before into stage.buffer() (with the "
+                              "exchange after the action before, or lablib.irecv(...).wait()) and pass them to stage.forward."),
     ("needs the gradient", "receive the gradient from the stage after into stage.buffer() and pass it to "
                            "stage.backward."),
     ("before its B", "with W actions in the schedule, B must be stage.backward(mb, grad, weights=False)."),
@@ -339,7 +352,7 @@ def judge_execute(data, world_size, seed) -> str:
                         raise CheckFailed(f"{task}: on {name} with {p} ranks, stage {s}'s gradients (rank {r}) differ from "
                                           f"one process's by {err:.2e}. Each micro-batch must go through every stage once, "
                                           "forward then backward, with the activations and gradients received for it "
-                                          "(the tag names the micro-batch)." + (
+                                          "(messages between two ranks match in the order posted)." + (
                                               " A difference this large usually means a buffer was read before its "
                                               "message arrived (or never written): take stage.buffer()'s tensor only "
                                               "after its irecv's wait() returned." if wild else ""))

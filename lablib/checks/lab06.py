@@ -113,8 +113,14 @@ check_blockwise = Check("Task 6.1", ("merge", "blockwise_attention"), collect_bl
 
 
 # -- Tasks 6.2 and 6.3: ring attention -------------------------------------------------------------------------
+_HOP_HINTS = (("(NCCL's rules)", "a hop's send and receive were posted apart (lablib.isend, then lablib.irecv), and "
+               "NCCL, whose rules these checks hold Gloo to, runs a rank's sends and receives one at a time in the order "
+               "posted, a send waiting until its receive has begun: every rank sends first, and nobody receives. Post "
+               "the hop as one lablib.exchange(sends=[(held, right)], recvs=[(incoming, left)])."),)
+
+
 def collect_ring(fns, pool, seed):
-    return run_on_ranks(pool, "Task 6.2", ring_job, fns, False, seed)
+    return run_on_ranks(pool, "Task 6.2", ring_job, fns, False, seed, hints=_HOP_HINTS)
 
 
 def judge_ring(data, world_size, seed) -> str:
@@ -130,7 +136,7 @@ check_ring = Check("Task 6.2", ("ring_attention",), collect_ring, judge_ring, wo
 
 
 def collect_ring_backward(fns, pool, seed):
-    return run_on_ranks(pool, "Task 6.3", ring_job, fns, True, seed)
+    return run_on_ranks(pool, "Task 6.3", ring_job, fns, True, seed, hints=_HOP_HINTS)
 
 
 def judge_ring_backward(data, world_size, seed) -> str:

@@ -195,8 +195,3 @@ def stages_of(rank: int, p: int, v: int, blocks, inputs, targets, cost=None) -> 
     per = len(blocks) // n
     return {s: Stage(blocks[s * per:(s + 1) * per], s, n, inputs, targets, cost, held) for s in range(rank, n, p)}
 
-
-def tag(kind: str, mb: int, stage: int) -> int:
-    """A message's tag, the same on both sides: what it carries (the activations going into ``stage``, "F",
-    or the gradient of its output, "B") and for which micro-batch, so a recv matches only its own send."""
-    return 4 * (1000 * mb + stage) + (kind == "B")

@@ -80,7 +80,11 @@ def execute_job(execute_fn, plans: dict, seed=None, compare: bool = True) -> dic
         record = next(iter(mine.values())).rank_held
         works: list = []
         plan = [tuple(a) for a in plans[name][r]]
-        _, ops = comm.watched(execute_fn, stages, plan, works=works)
+        try:
+            _, ops = comm.watched(execute_fn, stages, plan, works=works)
+        except Exception as exc:
+            exc.add_note(f"(while running the {name} schedule)")  # which schedule: the checks' hints read it
+            raise
         left = [f"stage {s} holds micro-batch {mb}" for s, st in mine.items() for mb in st._held]
         unwaited = [w.op for w in works if not w.waited]
         for w in works:  # a send left in flight must not meet the next schedule's messages
