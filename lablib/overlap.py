@@ -71,14 +71,14 @@ def intersect(xs, ys) -> list[tuple[float, float]]:
 
 # -- who waited for whom --------------------------------------------------------------------------------
 def messages(spans) -> list[tuple]:
-    """(send span, recv span) pairs: the k-th send from a to b with the k-th recv on b from a (with the
-    same tag, where the messages have one)."""
+    """(send span, recv span) pairs: the k-th send from a to b with the k-th recv on b from a (messages
+    between two ranks match in the order posted, as under NCCL, which has no tags)."""
     sends, recvs = defaultdict(list), defaultdict(list)
     for s in sorted(spans, key=lambda s: s.start):
         if s.meta.get("op") == "send" and "peer" in s.meta:
-            sends[(s.rank, s.meta["peer"], s.meta.get("tag", 0))].append(s)
+            sends[(s.rank, s.meta["peer"])].append(s)
         elif s.meta.get("op") == "recv" and "peer" in s.meta:
-            recvs[(s.meta["peer"], s.rank, s.meta.get("tag", 0))].append(s)
+            recvs[(s.meta["peer"], s.rank)].append(s)
     return [pair for key in sends for pair in zip(sends[key], recvs.get(key, []))]
 
 

@@ -89,9 +89,9 @@ def ring_all_gather(output, input):
     chunks = list(output.view(n, -1))
     chunks[rank].copy_(input)
     for step in range(n - 1):
-        pending = [lablib.isend(chunks[(rank - step) % n], (rank + 1) % n),
-                   lablib.irecv(chunks[(rank - step - 1) % n], (rank - 1) % n)]
-        [h.wait() for h in pending]
+        hop = lablib.exchange(recvs=[(chunks[(rank - step - 1) % n], (rank - 1) % n)],
+                              sends=[(chunks[(rank - step) % n], (rank + 1) % n)])
+        hop.wait()
 ''',
     "a713699e": '''\
 def ring_reduce_scatter(output, input):
@@ -100,9 +100,7 @@ def ring_reduce_scatter(output, input):
     buffer = torch.empty_like(sums[0])
     for step in range(n - 1):
         send_chunk, recv_chunk = (rank - step - 1) % n, (rank - step - 2) % n
-        sent = lablib.isend(sums[send_chunk], (rank + 1) % n)
-        lablib.irecv(buffer, (rank - 1) % n).wait()
-        sent.wait()
+        lablib.exchange([(sums[send_chunk], (rank + 1) % n)], [(buffer, (rank - 1) % n)]).wait()
         sums[recv_chunk] = sums[recv_chunk] + buffer
     output.view(-1).copy_(sums[rank])
 ''',
@@ -429,33 +427,53 @@ def validate(schedule, m, v=1):
     return problem
 ''',
     "2aac50d4": '''\
-def tag_of(kind, mb, s):
-    return 4 * (1000 * mb + s) + (1 if kind == "B" else 0)
+def peers(stage, kind, s, n):
+    """(from, to): the ranks an action receives from and sends to, None where it does not."""
+    if kind == "F":
+        return (None if stage.first else (s - 1) % n), (None if stage.last else (s + 1) % n)
+    if kind == "B":
+        return (None if stage.last else (s + 1) % n), (None if stage.first else (s - 1) % n)
+    return None, None
 
 
 def execute(stages, actions):
     n = torch.distributed.get_world_size()
     split = "W" in [a[0] for a in actions]
-    sends = []
-    for kind, mb, s in actions:
+    plan = [(a[0], a[1], a[2]) + peers(stages[a[2]], a[0], a[2], n) for a in actions]
+    # an F between two B's that both send keeps its send for the B after it (Megatron's interleaved steady state)
+    hold = [k == "F" and to is not None and 0 < i < len(plan) - 1 and plan[i - 1][0] == "B" and plan[i + 1][0] == "B"
+            and plan[i + 1][4] is not None for i, (k, _, _, _, to) in enumerate(plan)]
+    waiting, outbox, everything = {}, [], []
+    for i, (kind, mb, s, frm, to) in enumerate(plan):
         stage = stages[s]
+        x = None
+        if frm is not None:
+            if i in waiting:
+                x, handle = waiting.pop(i)
+            else:
+                x = stage.buffer()
+                handle = lablib.exchange(recvs=[(x, frm)])
+            handle.wait()
         if kind == "W":
             stage.backward_weight(mb)
-        elif kind == "F":
-            x = None if stage.first else stage.buffer()
-            if x is not None:
-                lablib.irecv(x, (s - 1) % n, tag=tag_of("F", mb, s)).wait()
-            y = stage.forward(mb, x)
-            if not stage.last:
-                sends.append(lablib.isend(y, (s + 1) % n, tag=tag_of("F", mb, s + 1)))
-        else:
-            g = None if stage.last else stage.buffer()
-            if g is not None:
-                lablib.irecv(g, (s + 1) % n, tag=tag_of("B", mb, s)).wait()
-            gx = stage.backward(mb, g, weights=not split)
-            if not stage.first:
-                sends.append(lablib.isend(gx, (s - 1) % n, tag=tag_of("B", mb, s - 1)))
-    for handle in sends:
+            continue
+        y = stage.forward(mb, x) if kind == "F" else stage.backward(mb, x, weights=not split)
+        if to is None:
+            continue
+        outbox.append((y, to))
+        if hold[i]:
+            continue
+        incoming = {}
+        for j in range(i + 1, len(plan)):
+            if plan[j][3] is not None:
+                incoming[j] = stages[plan[j][2]].buffer()
+            if plan[j][4] is not None and not hold[j]:
+                break
+        handle = lablib.exchange(sends=outbox, recvs=[(buf, plan[j][3]) for j, buf in incoming.items()])
+        waiting.update({j: (buf, handle) for j, buf in incoming.items()})
+        everything.append(handle)
+        outbox = []
+    for handle in everything:
         handle.wait()
 ''',
     # -- lab 06 --------------------------------------------------------------------------------------------
@@ -492,7 +510,7 @@ def ring_attention(q, k, v, positions, causal):
         nxt = None
         if step + 1 < world:
             nxt = torch.empty_like(kv)
-            pending = [lablib.irecv(nxt, (me - 1) % world), lablib.isend(kv, (me + 1) % world)]
+            pending = [lablib.exchange(recvs=[(nxt, (me - 1) % world)], sends=[(kv, (me + 1) % world)])]
         visible = (not causal) or bool(positions[owner][0] <= mine.max())
         if visible:
             block = lablib.attend(q, kv[0], kv[1], mine, positions[owner], causal)
@@ -527,9 +545,7 @@ def ring_attention_backward(q, k, v, positions, out, lse, grad_out, causal):
             dkv = dkv + torch.stack([gk, gv])
         parcel = torch.cat([kv, dkv])
         arrived = torch.empty_like(parcel)
-        handles = [lablib.isend(parcel, (me + 1) % world), lablib.irecv(arrived, (me - 1) % world)]
-        for h in handles:
-            h.wait()
+        lablib.exchange([(parcel, (me + 1) % world)], [(arrived, (me - 1) % world)]).wait()
         kv, dkv = arrived[:2], arrived[2:]
     return dq, dkv[0], dkv[1]
 ''',

@@ -461,7 +461,7 @@ def test_a_measured_run_splits_its_step_and_draws_its_messages(cluster):
     assert {"F0", "F3", "B0", "B3"} <= labels
     assert len(tl.messages()) == 2 * 4 * (p - 1)  # each micro-batch's activation and gradient across p-1 boundaries
     for send, recv in tl.messages():
-        assert send.meta["tag"] == recv.meta["tag"] and recv.rank == send.meta["peer"]
+        assert send.name.split()[-1] == recv.name.split()[-1] and recv.rank == send.meta["peer"]  # "send F3", "recv F3"
     assert view.plan_figure(answers.zb_h1(p, 4)).data and view.timelines([run, run]).data
     assert "1F1B" in view.table([run])
 

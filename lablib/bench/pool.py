@@ -138,6 +138,53 @@ def p7_tracing(s: Settings) -> list[Row]:
     return rows
 
 
+def ping_pong(strict: bool, messages: int, nbytes: int = 4096) -> float:
+    """Seconds per message, ranks 0 and 1 passing ``nbytes`` back and forth with lablib's send and recv."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm, p2p
+
+    x, me = torch.zeros(nbytes // 4), dist.get_rank()
+    with p2p.strict(strict):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(messages // 2):
+            if me == 0:
+                comm.send(x, 1)
+                comm.recv(x, 1)
+            elif me == 1:
+                comm.recv(x, 0)
+                comm.send(x, 0)
+        return (time.perf_counter() - t) / (messages // 2 * 2)
+
+
+def p13_strict(s: Settings) -> list[Row]:
+    """Strict mode (lablib.p2p: NCCL's point-to-point rules held on Gloo, on in every check) against plain
+    Gloo: a message's latency, and the rank job of lab 02's ring check with lablib's ring."""
+    from .. import p2p
+    from ..answers.lab02 import ring_all_gather
+    from ..checks.lab02 import ring_job
+    from ..pool import Cluster
+
+    messages = 100 if s.quick else 400
+    latency, job = ([], []), ([], [])
+    with Cluster(2, backend=s.backend, timeout=60, quiet=True) as c:
+        for _ in range(s.reps + 1):  # interleaved, so drift in machine load hits both alike
+            for i, strict in enumerate((True, False)):
+                latency[i].append(c.run(ping_pong, strict, messages)[0] * 1e3)
+    with Cluster(4, backend=s.backend, timeout=60, quiet=True) as c:
+        for _ in range(s.reps + 1):
+            for i, fn in enumerate((p2p.strictly(ring_job), ring_job)):
+                t = time.perf_counter()
+                c.run(fn, ring_all_gather, "all_gather", None)
+                job[i].append((time.perf_counter() - t) * 1e3)
+    return [Row("P13", "a 4 KiB message, send and recv between 2 ranks, in strict mode", "ms", latency[0][1:],
+                latency[1][1:], "plain Gloo", note="strict mode adds store round trips per message"),
+            Row("P13", "lab 02's ring check job (lablib's ring all-gather, 4 ranks), in strict mode", "ms", job[0][1:],
+                job[1][1:], "plain Gloo")]
+
+
 def failures(s: Settings) -> list[Row]:
     from ..pool import Cluster, RankError
 
