@@ -379,7 +379,8 @@ class Exchange:
 
 def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
     """Sends and receives that must be in flight together, posted as one: ``sends`` [(tensor, dst)],
-    ``recvs`` [(tensor, src)] (a third item names a message's span: ``(y, dst, "send F3")``). Returns one
+    ``recvs`` [(tensor, src)] (a third item names a message's span, ``(y, dst, "send F3")``, or is a dict of what
+    its span keeps, ``(y, dst, {"chunk": 2})``). Returns one
     handle; wait on it before reading a received tensor or writing a sent one. Under NCCL this is one
     ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a time, in the order posted, and a
     send completes only once its receive has begun: a send and a receive posted apart can deadlock, grouped
@@ -394,8 +395,11 @@ def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
     if not sends and not recvs:
         raise ValueError("lablib.exchange() got no sends and no recvs: give it the messages to post together")
     batch = p2p.Batch(group)
-    works = [_p2p(None, op, x[0], x[1], group, x[2] if len(x) == 3 else name and f"{name}: {op}", True, dict(meta),
-                  batch)
-             for op, given in (("recv", recvs), ("send", sends)) for x in given]
+    works = []
+    for op, given in (("recv", recvs), ("send", sends)):
+        for x in given:
+            own = x[2] if len(x) == 3 and isinstance(x[2], dict) else {}
+            called = x[2] if len(x) == 3 and isinstance(x[2], str) else name and f"{name}: {op}"
+            works.append(_p2p(None, op, x[0], x[1], group, called, True, {**meta, **own}, batch))
     batch.launch()
     return Exchange(works)

@@ -432,7 +432,7 @@ def test_library_shortcuts_are_refused():
     def execute_with_torch(stages, actions):
         return torch.distributed.pipelining.ScheduleGPipe(stages, 1)
 
-    for fn, why in ((execute_with_dist, "lablib.isend"), (execute_with_torch, "pipelining is what the lab compares")):
+    for fn, why in ((execute_with_dist, "lablib.exchange"), (execute_with_torch, "pipelining is what the lab compares")):
         with pytest.raises(CheckFailed, match=why):
             check_execute(fn, world_size=2, seed=1)
     with pytest.raises(CheckFailed, match="lablib's own"):

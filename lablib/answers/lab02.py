@@ -37,8 +37,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
-        comm.exchange(sends=[(chunks[send_c], right)], recvs=[(chunks[recv_c], left)], name=f"step {step}",
-                      step=step, chunk=send_c).wait()  # chunk: the one sent
+        comm.exchange(sends=[(chunks[send_c], right, {"chunk": send_c})],
+                      recvs=[(chunks[recv_c], left, {"chunk": recv_c})], name=f"step {step}", step=step).wait()
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -49,8 +49,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
-        comm.exchange(sends=[(acc[send_c], right)], recvs=[(incoming, left)], name=f"step {step}", step=step,
-                      chunk=send_c).wait()
+        comm.exchange(sends=[(acc[send_c], right, {"chunk": send_c})], recvs=[(incoming, left, {"chunk": recv_c})],
+                      name=f"step {step}", step=step).wait()
         acc[recv_c] += incoming
     output.view(-1).copy_(acc[rank])
 
