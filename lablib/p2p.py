@@ -190,6 +190,20 @@ def post(sends, recvs, group, texts) -> _Op:
     return op
 
 
+def prepare(group=None) -> None:
+    """Under NCCL, the group's communicator made by a collective that every rank of the group runs here:
+    ``batch_isend_irecv``'s first call on a group must have every rank of the group in it, which a pipeline's
+    first exchange (a send on one stage, a receive on the next) is not. Nothing to do on Gloo."""
+    if "nccl" in str(dist.get_backend(group)) and group not in _PREPARED:
+        import torch
+
+        dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+        _PREPARED.add(group)
+
+
+_PREPARED: set = set()
+
+
 class Batch:
     """The messages of one ``lablib.exchange``, posted together once all are added: one queue operation in
     strict mode, one ``batch_isend_irecv`` under NCCL, the operations one by one on plain Gloo."""

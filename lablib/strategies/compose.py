@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import comm
+from .. import comm, p2p
 from ..timeline import _now, span
 
 AXES = ("pp", "dp", "tp")
@@ -175,6 +175,7 @@ class Kit:
         if self._checkpointed is not None:
             forward = self._checkpointed(forward)
         stage = _Stage(s, n, forward, loss, list(batches), self)
+        p2p.prepare(group)  # under NCCL the group's first batch_isend_irecv needs all of it: made here
         execute({s: stage}, one_f_one_b(n, len(stage.batches))[s], group)
         total = sum(stage.losses.values()) if stage.last else torch.zeros((), device=batches[0][0].device)
         total = total.detach().reshape(1).clone()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from .. import comm, p2p
 from .pipeline import data, model, stages_of
 from .prefetch import start_recording
 
@@ -80,6 +80,7 @@ def execute_job(execute_fn, plans: dict, seed=None, compare: bool = True) -> dic
         record = next(iter(mine.values())).rank_held
         works: list = []
         plan = [tuple(a) for a in plans[name][r]]
+        p2p.prepare()
         try:
             _, ops = comm.watched(execute_fn, stages, plan, works=works)
         except Exception as exc:
@@ -117,6 +118,7 @@ def step_job(execute_fn, schedule_fn, m: int, v: int = 1, cost: float | None = N
             b.zero_grad(set_to_none=True)
         stages = stages_of(r, p, v, blocks, xs, ys, cost)
         t0 = time.perf_counter()
+        p2p.prepare()
         execute_fn(stages, plan)
         comm.synchronize()
         dist.barrier()
