@@ -24,7 +24,7 @@ _EXPORTS = {
     "profiled": "profiling", "timed": "profiling",
     "device": "comm", "to_device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
     "broadcast": "comm", "all_to_all": "comm", "barrier": "comm",
-    "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm", "exchange": "comm",
+    "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm", "exchange": "p2p",
     "attend": "strategies.context_parallel", "expert": "strategies.experts",
 }
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension"]

@@ -419,7 +419,7 @@ def test_messages_over_a_simulated_link_take_the_modelled_time_and_deliver_the_d
     for s in sends:  # a send ends when its message arrives: the link's time, whatever the real transfer took
         assert s.end - s.start == pytest.approx(model, abs=2e-3)
     for s in (s for s in spans if s.meta.get("op") == "recv"):  # a recv ends at that arrival, never before
-        assert s.end - s.start <= model + 3e-3
+        assert s.end - s.start <= model + 10e-3  # (a loaded machine wakes a sleeping rank late)
     ping, pong = sorted((s for s in sends if not s.meta.get("async")), key=lambda s: s.start)[-2:]
     assert pong.start >= ping.end - 1e-3  # the blocking pong starts once the ping has arrived
 

@@ -345,6 +345,18 @@ def function_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
     return problems(tree, forbidden, defined, outer)
 
 
+def _globals_read(code) -> set[str]:
+    """The global names ``code`` reads (its nested functions' and comprehensions' too): not ``co_names``,
+    which holds attribute names as well (``lablib.exchange`` is not the learner's own ``exchange``)."""
+    import dis
+
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _globals_read(const)
+    return names
+
+
 def reachable_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]:
     """``function_problems`` of ``fn`` and of every function and class of its own module it reaches by
     name, directly or through others (a helper, lab 04's autograd Functions), each line prefixed with
@@ -361,7 +373,7 @@ def reachable_problems(fn, forbidden: dict[str, str] | None = None) -> list[str]
         found = function_problems(obj, forbidden)
         out += found if obj is fn else [f"({obj.__qualname__}) {p}" for p in found]
         if not found and inspect.isfunction(obj):
-            names, space = obj.__code__.co_names, obj.__globals__
+            names, space = _globals_read(obj.__code__), obj.__globals__
             todo += [space[n] for n in names if n in space and (inspect.isfunction(space[n]) or inspect.isclass(space[n]))
                      and getattr(space[n], "__module__", None) == fn.__module__]
     return out
