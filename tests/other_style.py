@@ -467,7 +467,7 @@ def execute(stages, actions):
         for j in range(i + 1, len(plan)):
             if plan[j][3] is not None:
                 incoming[j] = stages[plan[j][2]].buffer()
-            if plan[j][4] is not None and not hold[j]:
+            if (plan[j][3] is not None or plan[j][4] is not None) and not hold[j]:
                 break
         handle = lablib.exchange(sends=outbox, recvs=[(buf, plan[j][3]) for j, buf in incoming.items()])
         waiting.update({j: (buf, handle) for j, buf in incoming.items()})

@@ -153,7 +153,7 @@ def _execute(stages, actions, wrap=True, grouped=True, blocking=False, wait_recv
             if src[j] is not None:
                 recvs.append((stages[acts[j][2]].buffer(), src[j]))
                 into.append(j)
-            if grouped == "pairs" or (dst[j] is not None and not later[j]):
+            if grouped == "pairs" or ((src[j] is not None or dst[j] is not None) and not later[j]):
                 break
         work = lablib.exchange(sends=carried, recvs=recvs)
         inbox.update({j: (buf, work) for j, (buf, _) in zip(into, recvs)})
@@ -281,6 +281,33 @@ def test_lablibs_schedules_leave_the_papers_bubble_and_hold_the_papers_memory(p,
             assert answers.validate(acts, m, v) is None
             times = {k: t / v for k, t in unit.items()}
             assert sc.bubble(sc.simulate(acts, times, v)) == pytest.approx(sc.theory("interleaved", p, m, v))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_rule_5_replays_the_executors_exchanges_under_nccls_rules(p):
+    """Rule 5 replays the executor's exchanges with NCCL's rules: lablib's schedules pass, and a schedule valid
+    by the data's rules can still stall there."""
+    for m in (p, 2 * p):
+        for schedule, v in ((answers.gpipe(p, m), 1), (answers.one_f_one_b(p, m), 1), (answers.zb_h1(p, m), 1),
+                            (answers.interleaved(p, m, 2), 2)):
+            assert answers.validate(schedule, m, v) is None
+            assert sc.message_deadlock(sc.as_actions(schedule), v) is None
+    if p == 3:  # valid by rules 1-4 (the last stage runs F3 before B2), but its exchanges wait for each other
+        schedule = answers.one_f_one_b(3, 4)
+        schedule[2][5], schedule[2][6] = schedule[2][6], schedule[2][5]
+        assert answers.deadlock(sc.as_actions(schedule), 4, 1) is None
+        problem = answers.validate(schedule, 4, 1)
+        assert (problem.rank, problem.index) == (0, 6) and "under NCCL's rules they wait for each other" in problem.reason
+
+
+def test_rule_5_names_messages_that_meet_the_wrong_receive():
+    """Without tags, messages between two ranks match in the order posted: a rank that runs B1 before B0
+    while the stage after sends B0's gradient first would take one for the other (same shape: no error)."""
+    g = [list(row) for row in answers.gpipe(2, 2)]
+    g[0][2], g[0][3] = g[0][3], g[0][2]  # rank 0: F0 F1 B1 B0, rank 1 sends B0 first
+    assert answers.deadlock(sc.as_actions(g), 2, 1) is None  # the data's order is fine
+    problem = answers.validate(g, 2, 1)
+    assert problem.rank == 0 and problem.index == 2 and "match in the order posted" in problem.reason
 
 
 def test_the_validator_names_the_first_action_that_cannot_run():

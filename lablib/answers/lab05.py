@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .. import comm
-from ..strategies.schedules import Action, as_actions, needs
+from ..strategies.schedules import Action, as_actions, message_deadlock, messages_of, needs, receives_after
 
 TASKS = {"Task 5.1": ("gpipe", "one_f_one_b"), "Task 5.2": ("interleaved", "zb_h1"), "Task 5.3": ("validate",),
          "Task 5.4": ("execute",)}
@@ -103,7 +103,9 @@ def validate(schedule, m: int, v: int = 1) -> Problem | None:
        too if the schedule has any W;
     4. a deadlock: run every rank's list in order, each action once what it needs (``needs``) has run;
        when no rank can go on, the lowest such rank's next action, and why, down to the action it waits
-       for in the end."""
+       for in the end;
+    5. (lablib's, beyond Task 5.3) a deadlock of the messages: the executor's exchanges (``execute``) run
+       under NCCL's rules (``schedules.message_deadlock``) stall, or match a message with another's."""
     acts = as_actions(schedule)
     for _, rule in RULES:
         problem = rule(acts, m, v)
@@ -193,8 +195,15 @@ def _chain(acts, pos, done, r, stages, split) -> str:
             text += f"rank {owner} reaches only after {a} (its action {pos[owner]}), which "
 
 
+def messages_stall(acts: list[list[Action]], m: int, v: int) -> Problem | None:
+    """Rule 5 (rules 1-4 passed): the first action the executor's messages never bring, under NCCL's rules."""
+    found = message_deadlock(acts, v)
+    return Problem(*found) if found else None
+
+
 RULES = (("an action that cannot be on its rank", misplaced), ("an action listed twice", listed_twice),
-         ("an action missing", missing), ("a deadlock", deadlock))
+         ("an action missing", missing), ("a deadlock", deadlock),
+         ("a deadlock of the messages under NCCL's rules", messages_stall))
 
 
 # -- the executor -------------------------------------------------------------------------------------------
@@ -211,31 +220,18 @@ def execute(stages: dict, actions, group=None) -> None:
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    n, acts = len(ranks), [tuple(a) for a in actions]
-    split = any(a[0] == "W" for a in acts)
-
-    def source(a):  # the rank an action receives from, or None
-        kind, _, s = a
-        if kind == "F" and not stages[s].first:
-            return ranks[(s - 1) % n]
-        return ranks[(s + 1) % n] if kind == "B" and not stages[s].last else None
-
-    def target(a):  # the rank an action sends to, or None
-        kind, _, s = a
-        if kind == "F" and not stages[s].last:
-            return ranks[(s + 1) % n]
-        return ranks[(s - 1) % n] if kind == "B" and not stages[s].first else None
-
-    last = len(acts) - 1
-    later = [target(a) is not None and 0 < i < last and a[0] == "F" and acts[i - 1][0] == "B" and acts[i + 1][0] == "B"
-             and target(acts[i + 1]) is not None for i, a in enumerate(acts)]
+    n, acts = len(ranks), [Action(*a) for a in actions]
+    split = any(a.kind == "W" for a in acts)
+    plan = messages_of(acts, n, n * len(stages))
+    source, target = ([None if r is None else ranks[r] for r in col] for col in list(zip(*plan))[:2] or ([], []))
+    later = [held for *_, held in plan]
     inbox, carried, handles = {}, [], []  # inbox: action index -> (buffer, the handle that fills it)
     for i, (kind, mb, s) in enumerate(acts):
         stage, x = stages[s], None
-        if source(acts[i]) is not None:
+        if source[i] is not None:
             if i not in inbox:
                 x = stage.buffer()
-                inbox[i] = (x, comm.irecv(x, source(acts[i]), name=f"recv {kind}{mb}"))
+                inbox[i] = (x, comm.irecv(x, source[i], name=f"recv {kind}{mb}"))
             x, handle = inbox.pop(i)
             handle.wait()
         if kind == "F":
@@ -245,18 +241,13 @@ def execute(stages: dict, actions, group=None) -> None:
         else:
             stage.backward_weight(mb)
             continue
-        if target(acts[i]) is None:
+        if target[i] is None:
             continue
-        carried.append((y, target(acts[i]), f"send {kind}{mb}"))
+        carried.append((y, target[i], f"send {kind}{mb}"))
         if later[i]:
             continue
-        recvs, into = [], []
-        for j in range(i + 1, len(acts)):  # the receives of the actions up to the next send
-            if source(acts[j]) is not None:
-                recvs.append((stages[acts[j][2]].buffer(), source(acts[j]), f"recv {acts[j][0]}{acts[j][1]}"))
-                into.append(j)
-            if target(acts[j]) is not None and not later[j]:
-                break
+        into = receives_after(plan, i)  # the next action's receive (and the one after a held F's)
+        recvs = [(stages[acts[j].stage].buffer(), source[j], f"recv {acts[j].kind}{acts[j].mb}") for j in into]
         handle = comm.exchange(sends=carried, recvs=recvs)
         inbox.update({j: (buf, handle) for j, (buf, _, _) in zip(into, recvs)})
         handles.append(handle)

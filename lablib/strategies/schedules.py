@@ -20,8 +20,8 @@ tasks with the validator, are in ``lablib.answers.lab05``):
   split into B and W, the W's late enough to fill the drain; bubble (p-1)(T_F+T_B-T_W), a third of
   1F1B's when F, B and W take equal time, for the same memory.
 
-Here: what each action needs, the simulator (times per action, no ranks), the activations a schedule holds
-and the papers' bubbles. Running a schedule on ranks is pipeline.py's.
+Here: what each action needs, lab 05's executor's messages under NCCL's rules (``message_deadlock``), the
+simulator (times per action, no ranks), the activations a schedule holds and the papers' bubbles. Running a schedule on ranks is pipeline.py's.
 """
 from __future__ import annotations
 
@@ -68,6 +68,116 @@ def needs(a: Action, stages: int, split: bool) -> list[Action]:
     if a.kind == "B":
         return [Action("F", a.mb, a.stage)] + ([Action("B", a.mb, a.stage + 1)] if a.stage < stages - 1 else [])
     return [Action("B", a.mb, a.stage)]
+
+
+# -- the executor's messages under NCCL's rules -------------------------------------------------------------
+def messages_of(row, p: int, stages: int) -> list[tuple]:
+    """Lab 05's executor on one rank's actions, as data: per action the rank it receives from, the rank it
+    sends to (None where it does not) and whether its send waits for the next action's (an F between two
+    B's that both send: it goes with the B after it)."""
+    src = [((a.stage - 1) % p if a.kind == "F" and a.stage > 0 else (a.stage + 1) % p
+            if a.kind == "B" and a.stage < stages - 1 else None) for a in row]
+    dst = [((a.stage + 1) % p if a.kind == "F" and a.stage < stages - 1 else (a.stage - 1) % p
+            if a.kind == "B" and a.stage > 0 else None) for a in row]
+    held = [a.kind == "F" and dst[i] is not None and 0 < i < len(row) - 1 and row[i - 1].kind == "B"
+            and row[i + 1].kind == "B" and dst[i + 1] is not None for i, a in enumerate(row)]
+    return list(zip(src, dst, held))
+
+
+def receives_after(plan, i: int) -> list[int]:
+    """The actions whose receives go in the exchange after action ``i`` (``plan``: ``messages_of``): the next
+    that receives, and if its send is held (an F between two B's), the next after it too, up to the action
+    that sends next; W's and actions that neither send nor receive are passed over."""
+    out = []
+    for j in range(i + 1, len(plan)):
+        src, dst, held = plan[j]
+        if src is not None:
+            out.append(j)
+        if (dst is not None or src is not None) and not held:
+            break
+    return out
+
+
+def _program(row, p: int, stages: int) -> list[tuple]:
+    """The executor's steps on one rank: ("post", sends, recvs) with messages as (what, peer), what being the
+    action a message goes into, and ("run", action, the index of the post its input came by, or None)."""
+    plan, steps, came_by, carried = messages_of(row, p, stages), [], {}, []
+    into = lambda a: (a.kind, a.mb, a.stage + 1 if a.kind == "F" else a.stage - 1)  # noqa: E731
+    for i, a in enumerate(row):
+        src, dst, held = plan[i]
+        if src is not None and i not in came_by:
+            came_by[i] = len(steps)
+            steps.append(("post", [], [((a.kind, a.mb, a.stage), src)]))
+        steps.append(("run", a, came_by.get(i)))
+        if dst is None:
+            continue
+        carried.append((into(a), dst))
+        if held:
+            continue
+        recvs = []
+        for j in receives_after(plan, i):
+            came_by[j] = len(steps)
+            recvs.append(((row[j].kind, row[j].mb, row[j].stage), plan[j][0]))
+        steps.append(("post", carried, recvs))
+        carried = []
+    return steps
+
+
+def message_deadlock(acts, v: int):
+    """Rule 5 (rules 1-4 passed): lab 05's executor's messages under NCCL's rules. Each rank's posts run one
+    at a time in order; a post completes once every receive of its sends has begun and every send of its
+    receives has; messages between two ranks match in the order posted. Returns (rank, index, reason) for
+    the lowest rank's first action that never runs, or for a message matched with another; else None."""
+    p = len(acts)
+    progs = [_program(row, p, p * v) for row in acts]
+    count, slot = {}, {}  # per (src, dst, side) how many so far; per (rank, step) its messages' keys
+    for r, steps in enumerate(progs):
+        for k, step in enumerate(steps):
+            if step[0] == "post":
+                keys = []
+                for side, msgs in (("s", step[1]), ("r", step[2])):
+                    for what, peer in msgs:
+                        pair = (r, peer) if side == "s" else (peer, r)
+                        n = count[pair + (side,)] = count.get(pair + (side,), -1) + 1
+                        keys.append((side, pair + (n,), what))
+                slot[r, k] = keys
+    sent, received = {}, {}  # message key -> what, once its post has begun
+    queue, at, head, done = [[] for _ in range(p)], [0] * p, [0] * p, set()
+    moved = True
+    while moved:
+        moved = False
+        for r, steps in enumerate(progs):
+            while at[r] < len(steps):
+                step = steps[at[r]]
+                if step[0] == "run" and step[2] is not None and (r, step[2]) not in done:
+                    break
+                if step[0] == "post":
+                    queue[r].append(at[r])
+                at[r] += 1
+                moved = True
+            while head[r] < len(queue[r]):
+                k = queue[r][head[r]]
+                for side, key, what in slot[r, k]:
+                    (sent if side == "s" else received)[key] = what
+                if not all(key in (received if side == "s" else sent) for side, key, _ in slot[r, k]):
+                    break
+                for side, key, what in slot[r, k]:
+                    if side == "r" and sent[key] != what:
+                        i = next(i for i, a in enumerate(acts[r]) if (a.kind, a.mb, a.stage) == what)
+                        return r, i, (f"rank {r}'s {acts[r][i]} would receive the message for {Action(*sent[key])}: "
+                                      f"rank {key[0]} sends its messages to rank {r} in another order than rank {r} "
+                                      "receives them, and messages between two ranks match in the order posted")
+                done.add((r, k))
+                head[r] += 1
+                moved = True
+    for r, steps in enumerate(progs):
+        if at[r] < len(steps):
+            step = steps[at[r]]
+            i = acts[r].index(step[1])
+            return r, i, (f"rank {r}'s {step[1]} never runs: its input comes with the executor's exchanges, and "
+                          "under NCCL's rules they wait for each other (each rank's sends and receives run one at a "
+                          "time in the order posted, a send completes only once its receive has begun)")
+    return None
 
 
 # -- the simulator: unit times, no ranks ------------------------------------------------------------------
