@@ -24,13 +24,13 @@ _EXPORTS = {
     "profiled": "profiling", "timed": "profiling",
     "device": "comm", "to_device": "comm", "all_reduce": "comm", "all_gather": "comm", "reduce_scatter": "comm",
     "broadcast": "comm", "all_to_all": "comm", "barrier": "comm",
-    "send": "comm", "recv": "comm", "isend": "comm", "irecv": "comm", "exchange": "p2p",
+    "send": "messages", "recv": "messages", "isend": "messages", "irecv": "messages", "exchange": "messages",
     "attend": "strategies.context_parallel", "expert": "strategies.experts",
 }
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension"]
 
 
-_MODULES = {"bandwidth", "checks", "comm", "course", "doctor", "memory", "overlap", "p2p", "pool", "profiling", "quiz",
+_MODULES = {"bandwidth", "checks", "comm", "course", "doctor", "memory", "messages", "overlap", "p2p", "pool", "profiling", "quiz",
             "strategies", "timeline",
             "toy", "views"}
 

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import p2p
-from .p2p import exchange  # noqa: F401 (comm.exchange: the grouped exchange)
 from .device_audit import check_collective
 from .arguments import p_times, tensors
 from .splits import row_bytes, same_splits, splits
@@ -314,50 +312,3 @@ def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, g
 def barrier(group=None, name="barrier"):
     with span(name, "comm", bytes=0, op="barrier"):
         dist.barrier(group)
-
-
-def _p2p(call, op, tensor, peer, group, name, async_op, meta, batch=None):
-    tensors(("i" if async_op else "") + op, tensor=tensor)
-    n, me = dist.get_world_size(), dist.get_rank()
-    called = f"lablib.{'i' if async_op else ''}{op} {'to' if op == 'send' else 'from'} rank {peer}"
-    if not 0 <= peer < n:  # Gloo would wait for a rank that never joins, then fail with a store timeout
-        raise ValueError(f"{called}, but the world has {n} ranks (0 to {n - 1}): to wrap around, take the peer % "
-                         f"world_size, e.g. (rank + 1) % {n}")
-    if peer == me:  # nothing would ever match it
-        raise ValueError(f"{called}: that is this rank itself; a message goes to another rank")
-    if "tag" in meta:
-        raise ValueError(f"{called} with tag=: lablib's messages have no tags, as NCCL's have none. Messages between "
-                         "two ranks match in the order they were posted: receive them in the order they are sent.")
-    name = name or (f"send to {peer}" if op == "send" else f"recv from {peer}")
-    if batch is not None:  # a message of lablib.exchange: posted with the others
-        def call(t, peer, group):
-            return batch.add(op, t, peer, name)
-    elif p2p.active(group):  # strict mode: NCCL's rules (lablib.p2p)
-        def call(t, peer, group):
-            one = p2p.post([(t, peer)] if op == "send" else [], [(t, peer)] if op == "recv" else [], group, [name])
-            return one if async_op else one.wait()
-    stamp = dist.isend if op == "send" else dist.irecv  # a simulated message's arrival time (Gloo, host memory)
-    return _traced(name, tensor.nbytes, async_op, lambda t, _: call(t, peer, group), tensor, op, group=group,
-                   stamp=lambda t: stamp(t, peer, group, _STAMP_TAG), peer=peer, **meta)
-
-
-_STAMP_TAG = 1 << 30  # Gloo only: NCCL's point-to-point has no tags
-
-
-def send(tensor, dst, group=None, name=None, **meta):
-    """A blocking send: returns once ``dst`` has the message (on Gloo: once it left; under NCCL a send
-    completes only once ``dst`` has begun the receive). ``meta`` (e.g. ``step=2, chunk=3``) is kept on the
-    span and in the Chrome trace. Messages between two ranks match in the order posted (no tags)."""
-    return _p2p(dist.send, "send", tensor, dst, group, name, False, meta)
-
-
-def recv(tensor, src, group=None, name=None, **meta):
-    return _p2p(dist.recv, "recv", tensor, src, group, name, False, meta)
-
-
-def isend(tensor, dst, group=None, name=None, **meta):
-    return _p2p(dist.isend, "send", tensor, dst, group, name, True, meta)
-
-
-def irecv(tensor, src, group=None, name=None, **meta):
-    return _p2p(dist.irecv, "recv", tensor, src, group, name, True, meta)

@@ -1,4 +1,4 @@
-"""NCCL's point-to-point rules, held on Gloo (strict mode), and ``exchange``: sends and receives posted as one.
+"""NCCL's point-to-point rules, held on Gloo: strict mode (lablib's sends and receives are in messages.py).
 
 Under NCCL (NCCL's user guide, "Point-to-point communication" and "Group calls"; PyTorch's
 ``batch_isend_irecv``):
@@ -242,48 +242,3 @@ class _Part:
 
     def is_completed(self) -> bool:
         return self._batch.launched.is_set() and self._batch.works[self._index].is_completed()
-
-
-class Exchange:
-    """The handle of ``exchange``: ``wait()`` waits for every message; ``works`` holds one per message."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self, *args):
-        for work in self.works:
-            work.wait(*args)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
-    """Sends and receives that must be in flight together, posted as one: ``sends`` [(tensor, dst)],
-    ``recvs`` [(tensor, src)] (a third item names a message's span, ``(y, dst, "send F3")``, or is a dict of what
-    its span keeps, ``(y, dst, {"chunk": 2})``). Returns one
-    handle; wait on it before reading a received tensor or writing a sent one. Under NCCL this is one
-    ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a time, in the order posted, and a
-    send completes only once its receive has begun: a send and a receive posted apart can deadlock, grouped
-    they cannot); on Gloo the messages are posted one by one, receives first. Each message is a span of its
-    own: "``name``: send" and "``name``: recv", or named after its peer."""
-    for what, given in {"sends": sends, "recvs": recvs}.items():
-        if not isinstance(given, (list, tuple)) or not all(
-                isinstance(x, (list, tuple)) and len(x) in (2, 3) and isinstance(x[0], torch.Tensor)
-                and isinstance(x[1], int) and not isinstance(x[1], bool) for x in given):
-            raise TypeError(f"lablib.exchange({what}=...) takes a list of (tensor, rank) pairs, e.g. {what}="
-                            f"[(buffer, {'right' if what == 'sends' else 'left'})]; got {given!r:.80}")
-    if not sends and not recvs:
-        raise ValueError("lablib.exchange() got no sends and no recvs: give it the messages to post together")
-    from .comm import _p2p
-
-    batch = Batch(group)
-    works = []
-    for op, given in (("recv", recvs), ("send", sends)):
-        for x in given:
-            own = x[2] if len(x) == 3 and isinstance(x[2], dict) else {}
-            called = x[2] if len(x) == 3 and isinstance(x[2], str) else name and f"{name}: {op}"
-            works.append(_p2p(None, op, x[0], x[1], group, called, True, {**meta, **own}, batch))
-    batch.launch()
-    return Exchange(works)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import messages
 
 TASKS = {"Task 2.1": ("ring_all_gather_blocking",), "Task 2.2": ("ring_all_gather",),
          "Task 2.3": ("ring_reduce_scatter",), "Task 2.4": ("ring_all_reduce",)}
@@ -21,11 +21,11 @@ def ring_all_gather_blocking(output: torch.Tensor, input: torch.Tensor) -> None:
     for step in range(n - 1):
         send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
         if rank % 2 == 0:
-            comm.send(chunks[send_c], right)
-            comm.recv(chunks[recv_c], left)
+            messages.send(chunks[send_c], right)
+            messages.recv(chunks[recv_c], left)
         else:
-            comm.recv(chunks[recv_c], left)
-            comm.send(chunks[send_c], right)
+            messages.recv(chunks[recv_c], left)
+            messages.send(chunks[send_c], right)
 
 
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -37,7 +37,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_c, recv_c = (rank - step) % n, (rank - step - 1) % n
-        comm.exchange(sends=[(chunks[send_c], right, {"chunk": send_c})],
+        messages.exchange(sends=[(chunks[send_c], right, {"chunk": send_c})],
                       recvs=[(chunks[recv_c], left, {"chunk": recv_c})], name=f"step {step}", step=step).wait()
 
 
@@ -49,7 +49,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_c, recv_c = (rank - step - 1) % n, (rank - step - 2) % n
-        comm.exchange(sends=[(acc[send_c], right, {"chunk": send_c})], recvs=[(incoming, left, {"chunk": recv_c})],
+        messages.exchange(sends=[(acc[send_c], right, {"chunk": send_c})], recvs=[(incoming, left, {"chunk": recv_c})],
                       name=f"step {step}", step=step).wait()
         acc[recv_c] += incoming
     output.view(-1).copy_(acc[rank])

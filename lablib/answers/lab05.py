@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .. import comm
+from .. import messages
 from ..strategies.schedules import Action, as_actions, message_deadlock, messages_of, needs, receives_after
 
 TASKS = {"Task 5.1": ("gpipe", "one_f_one_b"), "Task 5.2": ("interleaved", "zb_h1"), "Task 5.3": ("validate",),
@@ -231,7 +231,7 @@ def execute(stages: dict, actions, group=None) -> None:
         if source[i] is not None:
             if i not in inbox:
                 x = stage.buffer()
-                inbox[i] = (x, comm.irecv(x, source[i], name=f"recv {kind}{mb}"))
+                inbox[i] = (x, messages.irecv(x, source[i], name=f"recv {kind}{mb}"))
             x, handle = inbox.pop(i)
             handle.wait()
         if kind == "F":
@@ -248,7 +248,7 @@ def execute(stages: dict, actions, group=None) -> None:
             continue
         into = receives_after(plan, i)  # the next action's receive (and the one after a held F's)
         recvs = [(stages[acts[j].stage].buffer(), source[j], f"recv {acts[j].kind}{acts[j].mb}") for j in into]
-        handle = comm.exchange(sends=carried, recvs=recvs)
+        handle = messages.exchange(sends=carried, recvs=recvs)
         inbox.update({j: (buf, handle) for j, (buf, _, _) in zip(into, recvs)})
         handles.append(handle)
         carried = []

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from .. import comm, messages
 from ..strategies.context_parallel import attend
 
 TASKS = {"Task 6.1": ("merge", "blockwise_attention"), "Task 6.2": ("ring_attention",),
@@ -51,7 +51,7 @@ def ring_attention(q, k, v, positions, causal: bool):
         src = (rank - step) % n
         if step < n - 1:
             incoming = torch.empty_like(held)
-            hop = comm.exchange(sends=[(held, right)], recvs=[(incoming, left)], name=f"hop {step}")
+            hop = messages.exchange(sends=[(held, right)], recvs=[(incoming, left)], name=f"hop {step}")
         k_pos = positions[src]
         if not causal or k_pos.min() <= pos.max():  # a block wholly above the diagonal is skipped
             out, lse = merge(out, lse, *attend(q, held[0], held[1], pos, k_pos, causal))
@@ -87,7 +87,7 @@ def ring_attention_backward(q, k, v, positions, out, lse, grad_out, causal: bool
             dq += ds @ kk * scale
             dk += ds.transpose(-2, -1) @ q * scale
         incoming = torch.empty_like(travelling)
-        comm.exchange(sends=[(travelling, right)], recvs=[(incoming, left)], name=f"hop {step}").wait()
+        messages.exchange(sends=[(travelling, right)], recvs=[(incoming, left)], name=f"hop {step}").wait()
         travelling = incoming
     return dq, travelling[2], travelling[3]  # after n hops, this rank's own dK and dV are back
 

@@ -143,7 +143,7 @@ def ping_pong(strict: bool, messages: int, nbytes: int = 4096) -> float:
     import torch
     import torch.distributed as dist
 
-    from .. import comm, p2p
+    from .. import messages, p2p
 
     x, me = torch.zeros(nbytes // 4), dist.get_rank()
     with p2p.strict(strict):
@@ -151,11 +151,11 @@ def ping_pong(strict: bool, messages: int, nbytes: int = 4096) -> float:
         t = time.perf_counter()
         for _ in range(messages // 2):
             if me == 0:
-                comm.send(x, 1)
-                comm.recv(x, 1)
+                messages.send(x, 1)
+                messages.recv(x, 1)
             elif me == 1:
-                comm.recv(x, 0)
-                comm.send(x, 0)
+                messages.recv(x, 0)
+                messages.send(x, 0)
         return (time.perf_counter() - t) / (messages // 2 * 2)
 
 
