@@ -251,8 +251,9 @@ def ring_gathered(q, k, v, positions, causal):
     return q, q
 
 
-def ring_ungrouped(q, k, v, positions, causal):
-    """The ring with each hop's send and receive posted apart: fine on Gloo, a deadlock under NCCL."""
+def _ring(q, k, v, positions, causal, grouped=True, wait=True):
+    """The ring forward with a mistake: ``grouped=False`` posts each hop's send and receive apart (fine on
+    Gloo, a deadlock under NCCL); ``wait=False`` uses the new chunk without waiting for it."""
     rank, n = dist.get_rank(), dist.get_world_size()
     held = torch.stack([k, v])
     out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
@@ -260,13 +261,18 @@ def ring_ungrouped(q, k, v, positions, causal):
         src = (rank - step) % n
         if step < n - 1:
             incoming = torch.empty_like(held)
-            works = [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)]
+            works = ([lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])] if grouped
+                     else [lablib.isend(held, (rank + 1) % n), lablib.irecv(incoming, (rank - 1) % n)])
         out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
         if step < n - 1:
-            for w in works:
+            for w in works if wait else ():
                 w.wait()
             held = incoming
     return out, lse
+
+
+def ring_ungrouped(q, k, v, positions, causal):
+    return _ring(q, k, v, positions, causal, grouped=False)
 
 
 def backward_ungrouped(*args):
@@ -504,18 +510,7 @@ def test_a_merge_without_the_last_dimension_and_an_lse_starting_at_zero_are_name
 # -- the mistakes each check names: a learner's wrong function, run through the check ------------------------------
 def ring_without_wait(q, k, v, positions, causal):
     """Posts each hop and uses the new chunk without waiting for it."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    held = torch.stack([k, v])
-    out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
-    for step in range(n):
-        src = (rank - step) % n
-        if step < n - 1:
-            incoming = torch.empty_like(held)
-            works = [lablib.exchange(sends=[(held, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)])]
-        out, lse = merge(out, lse, *lablib.attend(q, held[0], held[1], positions[rank], positions[src], causal))
-        if step < n - 1:
-            held = incoming
-    return out, lse
+    return _ring(q, k, v, positions, causal, wait=False)
 
 
 def ring_waiting_at_the_end(q, k, v, positions, causal):
