@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_run_of_a_reduced_set_gives_the_whole_table(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lablib.bench", "--quick", "--only", "P1,F", "--reps", "1",
+    out = subprocess.run([sys.executable, "-m", "lablib.bench", "--quick", "--only", "P1,P13,F", "--reps", "1",
                           "--json", str(tmp_path / "b.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "b.json").read_text())
@@ -23,6 +23,7 @@ def test_quick_run_of_a_reduced_set_gives_the_whole_table(tmp_path):
     p1 = by_item["P1"]
     assert len(p1) == 4 and all(r["ours"] and r["anchor"] and r["ratio"] > 0 for r in p1)
     assert all(r["ours"] and r["target"] and r["met"] in (True, False) for r in by_item["F"])
+    assert len(by_item["P13"]) == 2 and all(r["ours"] and r["anchor"] and r["ratio"] > 0 for r in by_item["P13"])
     assert [r["note"] for r in by_item["P2"]] == ["left out by --quick (a whole-course run)"]
     assert [r["note"] for r in by_item["P6"]] == ["not run (--only)"]
     assert [r["note"] for r in by_item["P4"]] == ["not run (--only)"]

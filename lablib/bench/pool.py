@@ -138,7 +138,7 @@ def p7_tracing(s: Settings) -> list[Row]:
     return rows
 
 
-def ping_pong(strict: bool, messages: int, nbytes: int = 4096) -> float:
+def ping_pong(strict: bool, count: int, nbytes: int = 4096) -> float:
     """Seconds per message, ranks 0 and 1 passing ``nbytes`` back and forth with lablib's send and recv."""
     import torch
     import torch.distributed as dist
@@ -149,14 +149,14 @@ def ping_pong(strict: bool, messages: int, nbytes: int = 4096) -> float:
     with p2p.strict(strict):
         dist.barrier()
         t = time.perf_counter()
-        for _ in range(messages // 2):
+        for _ in range(count // 2):
             if me == 0:
                 messages.send(x, 1)
                 messages.recv(x, 1)
             elif me == 1:
                 messages.recv(x, 0)
                 messages.send(x, 0)
-        return (time.perf_counter() - t) / (messages // 2 * 2)
+        return (time.perf_counter() - t) / (count // 2 * 2)
 
 
 def p13_strict(s: Settings) -> list[Row]:
@@ -167,12 +167,12 @@ def p13_strict(s: Settings) -> list[Row]:
     from ..checks.lab02 import ring_job
     from ..pool import Cluster
 
-    messages = 100 if s.quick else 400
+    count = 100 if s.quick else 400
     latency, job = ([], []), ([], [])
     with Cluster(2, backend=s.backend, timeout=60, quiet=True) as c:
         for _ in range(s.reps + 1):  # interleaved, so drift in machine load hits both alike
             for i, strict in enumerate((True, False)):
-                latency[i].append(c.run(ping_pong, strict, messages)[0] * 1e3)
+                latency[i].append(c.run(ping_pong, strict, count)[0] * 1e3)
     with Cluster(4, backend=s.backend, timeout=60, quiet=True) as c:
         for _ in range(s.reps + 1):
             for i, fn in enumerate((p2p.strictly(ring_job), ring_job)):
