@@ -440,9 +440,9 @@ def execute(stages, actions):
     n = torch.distributed.get_world_size()
     split = "W" in [a[0] for a in actions]
     plan = [(a[0], a[1], a[2]) + peers(stages[a[2]], a[0], a[2], n) for a in actions]
-    # an F between two B's that both send keeps its send for the B after it (Megatron's interleaved steady state)
-    hold = [k == "F" and to is not None and 0 < i < len(plan) - 1 and plan[i - 1][0] == "B" and plan[i + 1][0] == "B"
-            and plan[i + 1][4] is not None for i, (k, _, _, _, to) in enumerate(plan)]
+    # interleaved (several stages here): an F between two sending B's keeps its send for the B after it
+    hold = [len(stages) > 1 and k == "F" and to is not None and 0 < i < len(plan) - 1 and plan[i - 1][0] == "B"
+            and plan[i + 1][0] == "B" and plan[i + 1][4] is not None for i, (k, _, _, _, to) in enumerate(plan)]
     waiting, outbox, everything = {}, [], []
     for i, (kind, mb, s, frm, to) in enumerate(plan):
         stage = stages[s]

@@ -124,8 +124,9 @@ def _execute(stages, actions, wrap=True, grouped=True, blocking=False, wait_recv
            for k, _, s in acts]
     dst = [((s + 1) % n if wrap else s + 1) if k == "F" and not stages[s].last else (s - 1) % n
            if k == "B" and not stages[s].first else None for k, _, s in acts]
-    later = [grouped is True and dst[i] is not None and 0 < i < len(acts) - 1 and k == "F" and acts[i - 1][0] == "B"
-             and acts[i + 1][0] == "B" and dst[i + 1] is not None for i, (k, _, _) in enumerate(acts)]
+    later = [grouped is True and len(stages) > 1 and dst[i] is not None and 0 < i < len(acts) - 1 and k == "F"
+             and acts[i - 1][0] == "B" and acts[i + 1][0] == "B" and dst[i + 1] is not None
+             for i, (k, _, _) in enumerate(acts)]
     inbox, carried, sends = {}, [], []
     for i, (kind, mb, s) in enumerate(acts):
         stage, x = stages[s], None
@@ -292,12 +293,31 @@ def test_rule_5_replays_the_executors_exchanges_under_nccls_rules(p):
                             (answers.interleaved(p, m, 2), 2)):
             assert answers.validate(schedule, m, v) is None
             assert sc.message_deadlock(sc.as_actions(schedule), v) is None
-    if p == 3:  # valid by rules 1-4 (the last stage runs F3 before B2), but its exchanges wait for each other
-        schedule = answers.one_f_one_b(3, 4)
-        schedule[2][5], schedule[2][6] = schedule[2][6], schedule[2][5]
-        assert answers.deadlock(sc.as_actions(schedule), 4, 1) is None
-        problem = answers.validate(schedule, 4, 1)
-        assert (problem.rank, problem.index) == (0, 6) and "under NCCL's rules they wait for each other" in problem.reason
+    if p == 2:  # valid by rules 1-4 (rank 1 swaps two actions), but its exchanges wait for each other: on the
+        # ranks in strict mode, rank 1 waits to send to rank 0, which waits to send to rank 1
+        schedule = answers.interleaved(2, 4, 2)
+        schedule[1][8], schedule[1][9] = schedule[1][9], schedule[1][8]
+        assert answers.deadlock(sc.as_actions(schedule), 4, 2) is None
+        problem = answers.validate(schedule, 4, 2)
+        assert (problem.rank, problem.index) == (0, 8) and "under NCCL's rules they wait for each other" in problem.reason
+
+
+def _run_plan(plan, v):
+    r, p = dist.get_rank(), dist.get_world_size()
+    stages = pp.stages_of(r, p, v, list(pp.model(ref.WIDTH, seed=0)), *pp.data(ref.WIDTH, ref.ROWS, 4, 0))
+    answers.execute(stages, plan[r])
+
+
+def test_what_rule_5_calls_a_stall_stalls_on_the_ranks_in_strict_mode(fragile):
+    from lablib import p2p
+
+    if fragile.world_size != 2:
+        pytest.skip("the schedule is for 2 ranks")
+    schedule = answers.interleaved(2, 4, 2)
+    fragile.run(p2p.strictly(_run_plan), schedule, 2)
+    schedule[1][8], schedule[1][9] = schedule[1][9], schedule[1][8]
+    with pytest.raises(lablib.RankError, match=r"\(NCCL's rules\): rank \d waits to send to rank \d"):
+        fragile.run(p2p.strictly(_run_plan), schedule, 2)
 
 
 def test_rule_5_names_messages_that_meet_the_wrong_receive():

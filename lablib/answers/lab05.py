@@ -214,8 +214,8 @@ def execute(stages: dict, actions, group=None) -> None:
     Under NCCL a rank's sends and receives run one at a time, in the order posted, and a send completes only
     once its receive has begun: two neighbours that each send before they receive wait for each other for
     ever. So the send after an action goes as one ``lablib.exchange`` with the receive the next action needs
-    (Megatron-LM's send_forward_recv_backward and send_backward_recv_forward). An F between two B's (the
-    interleaved schedule's steady state) sends with the B after it: one exchange of both sends and the next
+    (Megatron-LM's send_forward_recv_backward and send_backward_recv_forward). With several stages a rank
+    (interleaved), an F between two B's sends with the B after it: one exchange of both sends and the next
     receives, as Megatron's interleaved schedule does; paired one by one, its rings of stages deadlock."""
     import torch.distributed as dist
 

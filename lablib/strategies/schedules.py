@@ -73,13 +73,14 @@ def needs(a: Action, stages: int, split: bool) -> list[Action]:
 # -- the executor's messages under NCCL's rules -------------------------------------------------------------
 def messages_of(row, p: int, stages: int) -> list[tuple]:
     """Lab 05's executor on one rank's actions, as data: per action the rank it receives from, the rank it
-    sends to (None where it does not) and whether its send waits for the next action's (an F between two
-    B's that both send: it goes with the B after it)."""
+    sends to (None where it does not) and whether its send waits for the next action's: with more than one
+    stage a rank (interleaved), an F between two B's that both send goes with the B after it. (With one
+    stage a rank, holding it would stall the next stage for a whole backward.)"""
     src = [((a.stage - 1) % p if a.kind == "F" and a.stage > 0 else (a.stage + 1) % p
             if a.kind == "B" and a.stage < stages - 1 else None) for a in row]
     dst = [((a.stage + 1) % p if a.kind == "F" and a.stage < stages - 1 else (a.stage - 1) % p
             if a.kind == "B" and a.stage > 0 else None) for a in row]
-    held = [a.kind == "F" and dst[i] is not None and 0 < i < len(row) - 1 and row[i - 1].kind == "B"
+    held = [stages > p and a.kind == "F" and dst[i] is not None and 0 < i < len(row) - 1 and row[i - 1].kind == "B"
             and row[i + 1].kind == "B" and dst[i + 1] is not None for i, a in enumerate(row)]
     return list(zip(src, dst, held))
 
