@@ -128,6 +128,8 @@ class _Op:
                 published = True
             if time.monotonic() > deadline:
                 raise TimeoutError(self._report(store, peer, doing, time.monotonic() - start))
+        if published:  # no longer blocked: a later report must not name this operation
+            store.delete_key(self.blocked_key)
 
     def _report(self, store, peer, doing, waited) -> str:
         theirs = f"lablib-p2p/{_State.epoch}/blocked/{peer}"
