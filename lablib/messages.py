@@ -77,8 +77,8 @@ class Exchange:
 def exchange(sends=(), recvs=(), group=None, name=None, **meta) -> Exchange:
     """Sends and receives that must be in flight together, posted as one: ``sends`` [(tensor, dst)],
     ``recvs`` [(tensor, src)] (a third item names a message's span, ``(y, dst, "send F3")``, or is a dict of what
-    its span keeps, ``(y, dst, {"chunk": 2})``). Returns one
-    handle; wait on it before reading a received tensor or writing a sent one. Under NCCL this is one
+    its span keeps, ``(y, dst, {"chunk": 2})``). Returns one handle; wait on it before reading a received
+    tensor or writing a sent one. Under NCCL this is one
     ``batch_isend_irecv`` (NCCL runs a rank's sends and receives one at a time, in the order posted, and a
     send completes only once its receive has begun: a send and a receive posted apart can deadlock, grouped
     they cannot); on Gloo the messages are posted one by one, receives first. Each message is a span of its

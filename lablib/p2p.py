@@ -28,6 +28,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from .pool.failures import NCCL_RULES
+
 CHECKS = True
 _BLOCKED_AFTER = 1.0  # seconds a rank waits before it publishes what it is blocked in, for its peers' reports
 
@@ -135,7 +137,7 @@ class _Op:
         theirs = f"lablib-p2p/{_State.epoch}/blocked/{peer}"
         there = store.get(theirs).decode() if store.check([theirs]) else None
         what = "began the matching receive" if doing == "send to" else "sent that message"
-        return (f"timed out after {waited:.0f} s (NCCL's rules): rank {self.me} waits to {doing} rank {peer} in "
+        return (f"timed out after {waited:.0f} s {NCCL_RULES}: rank {self.me} waits to {doing} rank {peer} in "
                 f"{self.describe()}, and rank {peer} never {what}: "
                 + (f"rank {peer} is blocked in {there}. " if there else
                    f"rank {peer} is not blocked in a send or receive (it waits on something else: a handle, a "

@@ -7,6 +7,7 @@ import random
 import torch
 
 from ..comm import ring_steps
+from ..pool.failures import NCCL_RULES
 from . import Check, CheckFailed, run_on_ranks
 from .policy import COLLECTIVES
 
@@ -107,7 +108,7 @@ def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str, seed=No
 def _ring_check(task: str, op: str, params: tuple, forbidden: dict) -> Check:
     def collect(fns, pool, seed):
         strict = _SENDS_FIRST if task == "Task 2.1" else _UNGROUPED
-        return run_on_ranks(pool, task, ring_job, fns[0], op, seed, hints=(("(NCCL's rules)", strict),) + _RING_HINTS)
+        return run_on_ranks(pool, task, ring_job, fns[0], op, seed, hints=((NCCL_RULES, strict),) + _RING_HINTS)
 
     def judge(data, world_size, seed):
         judge_ring(task, op, world_size, data, params[0], seed)

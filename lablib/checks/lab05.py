@@ -12,6 +12,7 @@ import re
 from ..strategies import pipeline as pp
 from ..strategies import schedules as sc
 from ..strategies import pp_reference as ref
+from ..pool.failures import NCCL_RULES
 from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks
 from .lab05_cases import _bank, _validate_cases
 
@@ -245,7 +246,7 @@ _HINTS = (
                    f"world has {found[2]} ranks: stage s runs on rank s % world_size, so the stage after s is on rank "
                    "(s + 1) % world_size and the one before on (s - 1) % world_size."),
     # NCCL's rules (lablib.p2p): the interleaved schedule's rings of stages need an F's send to go with the B after it
-    (re.compile(r"\(NCCL's rules\)(?s:.*)while running the interleaved schedule"),
+    (re.compile(re.escape(NCCL_RULES) + r"(?s:.*)while running the interleaved schedule"),
      "the interleaved schedule deadlocks under NCCL's rules, which these checks hold Gloo to, when each send goes "
      "with only the next action's receive: with v stages a rank the stages form rings, and each rank's send waits for "
      "a neighbour that is itself sending. An F between two B's sends with the B after it: one lablib.exchange of "
@@ -255,7 +256,7 @@ _HINTS = (
      "every rank is blocked in a send: a blocking send (lablib.send) returns only once its peer has received, "
      "and the peer is sending too. Post the send after an action with the receive the next action needs, as one "
      "lablib.exchange, and wait on it before the next action."),
-    (re.compile(r"\(NCCL's rules\)"),
+    (NCCL_RULES,
      "a deadlock under NCCL's rules, which these checks hold Gloo to: each rank's sends and receives run one at a "
      "time in the order posted, and a send completes only once its receive has begun, so a send posted on its own "
      "after one action and the receive of the next wait for each other across neighbours. Post the send after an "

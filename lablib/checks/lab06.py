@@ -10,6 +10,7 @@ import re
 import torch
 
 from ..strategies import context_parallel as cp
+from ..pool.failures import NCCL_RULES
 from . import Check, CheckFailed, answers, call_local, max_error, not_done, run_on_ranks, whose
 from . import lab06_mistakes as mistakes
 from .lab06_ring import TOL, inputs, judge_ring as _judge_ring, pair as _pair, posted_first, ring_job, shape
@@ -113,7 +114,7 @@ check_blockwise = Check("Task 6.1", ("merge", "blockwise_attention"), collect_bl
 
 
 # -- Tasks 6.2 and 6.3: ring attention -------------------------------------------------------------------------
-_HOP_HINTS = (("(NCCL's rules)", "a hop's send and receive were posted apart (lablib.isend, then lablib.irecv), and "
+_HOP_HINTS = ((NCCL_RULES, "a hop's send and receive were posted apart (lablib.isend, then lablib.irecv), and "
                "NCCL, whose rules these checks hold Gloo to, runs a rank's sends and receives one at a time in the order "
                "posted, a send waiting until its receive has begun: every rank sends first, and nobody receives. Post "
                "the hop as one lablib.exchange(sends=[(held, right)], recvs=[(incoming, left)])."),)

@@ -8,7 +8,7 @@ import signal
 from .groups import RULE
 from .protocol import Failure
 
-NCCL_RULES = "(NCCL's rules)"  # in strict mode's timeouts (lablib.p2p)
+NCCL_RULES = "(NCCL's rules)"  # marks strict mode's timeouts (lablib.p2p writes it, the checks' hints read it)
 _GROUP_OPS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "init_device_mesh"}
 
 
