@@ -1,7 +1,7 @@
 """Traced collectives: the ``torch.distributed`` calls the labs use, each recorded as a comm span.
 
 Same arguments as ``torch.distributed``; ``name=`` labels the span. Synchronous calls are timed from
-call to return; ``async_op=True`` calls return a ``Work`` whose span runs from issue to completion
+call to return (on a GPU, ``lablib.gputime`` then places each span where its kernels ran); ``async_op=True`` calls return a ``Work`` whose span runs from issue to completion
 (seen by a callback on the work's future, or for Gloo's sends and recvs, which have none, by a thread
 that waits on the work; not by when ``wait()`` was called).
 
@@ -130,7 +130,7 @@ def simulated(link: Link | None):
 
 def restart_clock() -> None:
     """Undo the paused time; call on every rank right after a barrier, so the span clocks agree again."""
-    CLOCK.paused = 0
+    CLOCK.set_paused(0)
 
 
 def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None, group=None):
@@ -141,7 +141,7 @@ def _over_link(link, name, nbytes, async_op, call, op, meta, target, back=None, 
         work.wait()
     last = torch.tensor([issued], dtype=torch.int64, device="cpu")  # Gloo's side of the group, under NCCL too
     dist.all_reduce(last, dist.ReduceOp.MAX, group=group)  # the link starts when the group's last rank has issued
-    CLOCK.paused += time.perf_counter_ns() - real
+    CLOCK.set_paused(CLOCK.paused + time.perf_counter_ns() - real)
     start = max(int(last.item()), _SIM.free)
     end = _SIM.free = start + round(link.seconds(op, nbytes, dist.get_world_size(group)) * 1e9)
     meta = {**meta, "op": op, "simulated": link.name}
@@ -237,10 +237,8 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
     with span(name, "comm", bytes=nbytes, op=op, **meta) as s:
         # Only while recording: a timing loop (bandwidth.sweep) must not pay two /proc reads a message.
         before = written() if RECORDER.spans is not None and not tensor.is_cuda else None
-        out = call(tensor, target)
-        if tensor.is_cuda:  # NCCL returns at enqueue; time the transfer, not the launch
-            torch.cuda.synchronize(tensor.device)
-        elif before is not None:
+        out = call(tensor, target)  # NCCL returns at enqueue: gputime places the span where its kernel ran
+        if before is not None:
             s.meta["wire"] = written() - before
     if back:
         copy_back(back)

@@ -14,6 +14,10 @@ backend began it. So each comm span is cut in up to three: queued, waiting for a
   the span names) is one call; it waits until the group's last rank was running it (when every rank of
   the group recorded the same number of calls of that op).
 
+The overlap fraction is hidden communication / communication time, as Holistic Trace Analysis defines its
+communication-computation overlap, on every device: on a GPU the spans are where their kernels ran
+(``lablib.gputime``), so it is the time NCCL's kernels ran under compute kernels.
+
 Overlap on a CPU is measured, not promised: Gloo's copies run on the same cores as the compute, so a
 comm span "hidden" under compute may still have slowed that compute down. Where two runs are compared,
 the step-time saving is the number that counts.

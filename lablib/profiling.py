@@ -61,14 +61,19 @@ def _minus(interval, holes):
     return pieces
 
 
-def spans_from_trace(events: list[dict], mark_ns: int) -> list[RawSpan]:
-    """Spans on this rank's ``perf_counter_ns`` clock from a Chrome trace's events (see module docstring)."""
-    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+def clock_offset(xs: list[dict], mark_ns: int) -> tuple[int, object]:
+    """(ns to add to a trace's µs × 1000 to land on the rank's clock, the thread that recorded the marker)
+    from the complete events ``xs`` of a Chrome trace."""
     mark = next((e for e in xs if e.get("name") == MARK), None)
     if mark is None:
         raise ValueError(f"the trace has no {MARK!r} marker to align its clock with")
-    offset = mark_ns - round(mark["ts"] * 1000)
-    main = mark["tid"]
+    return mark_ns - round(mark["ts"] * 1000), mark["tid"]
+
+
+def spans_from_trace(events: list[dict], mark_ns: int) -> list[RawSpan]:
+    """Spans on this rank's ``perf_counter_ns`` clock from a Chrome trace's events (see module docstring)."""
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    offset, main = clock_offset(xs, mark_ns)
 
     def ns(us):
         return round(us * 1000) + offset
@@ -101,10 +106,7 @@ def backend_runs(events: list[dict], mark_ns: int) -> list[tuple[int, int, int, 
     first served). Point-to-point calls run on the issuing thread and are left out. Empty when the two
     lists disagree in length (a call the profiler saw only half of)."""
     xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    mark = next((e for e in xs if e.get("name") == MARK), None)
-    if mark is None:
-        raise ValueError(f"the trace has no {MARK!r} marker to align its clock with")
-    offset, main = mark_ns - round(mark["ts"] * 1000), mark["tid"]
+    offset, main = clock_offset(xs, mark_ns)
     calls = sorted((e["ts"], _c10d_op(e["name"])) for e in xs
                    if e["tid"] == main and _c10d_op(e["name"]) not in (None, "send", "recv"))
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in xs
@@ -159,15 +161,48 @@ def _mark() -> int:
 def timed(fn, *args, **kwargs):
     """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)``, its lablib spans recorded as usual,
     with ``torch.profiler`` watching when the backend really ran each collective (see the module's
-    docstring): ``cluster.run(lablib.timed, train, ...)``."""
-    from torch.profiler import ProfilerActivity, profile
+    docstring): ``cluster.run(lablib.timed, train, ...)``. On a GPU the spans are placed where their
+    kernels ran (``lablib.gputime``), which says when NCCL ran each collective."""
+    from torch.profiler import profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    from .gputime import pauses_kept
+
+    with profile(activities=_activities()) as prof, pauses_kept() as pauses:
         mark_ns = _mark()
         result = fn(*args, **kwargs)
+        _synchronize()
     if RECORDER.spans is not None:
-        RECORDER.spans[:] = mark_runs(RECORDER.spans, backend_runs(_events(prof), mark_ns))
+        events = _events(prof)
+        spans = mark_runs(RECORDER.spans, backend_runs(events, mark_ns))
+        RECORDER.spans[:] = _on_device(spans, events, mark_ns, pauses)
     return result
+
+
+def _activities() -> list:
+    """What the profiler records: the host's ops, and on a GPU its kernels too."""
+    from torch.profiler import ProfilerActivity
+
+    from .gputime import wanted
+
+    import torch
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if wanted() and torch.cuda.is_available() else [])
+
+
+def _synchronize() -> None:
+    from .comm import synchronize
+
+    synchronize()
+
+
+def _on_device(spans: list, events: list[dict], mark_ns: int, pauses: list) -> list:
+    """``spans`` placed where their GPU work ran, on a GPU (``lablib.gputime``); else as they are."""
+    from .gputime import device_records, on_device, save, wanted
+
+    if not wanted():
+        return spans
+    save(events, mark_ns, spans, pauses)
+    return on_device(spans, device_records(events, mark_ns, pauses))
 
 
 def _events(prof) -> list[dict]:
@@ -196,18 +231,22 @@ def profiled(fn, *args, **kwargs):
     """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)`` under ``torch.profiler``; what the
     profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records), between
     where ``fn`` called ``steps_begin()`` and ``steps_end()`` if it did."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
+
+    from .gputime import KEEP, pauses_kept
 
     own, RECORDER.spans, _BEGIN[:] = RECORDER.spans, None, [None, None]
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=_activities()) as prof, pauses_kept() as pauses:
             mark_ns = _mark()
             result = fn(*args, **kwargs)
+            _synchronize()
     finally:
         RECORDER.spans = own
     events = _events(prof)
     if RECORDER.spans is not None:
         begin, end = _BEGIN
-        RECORDER.spans.extend(s for s in spans_from_trace(events, mark_ns)
-                              if (begin is None or s.t0 >= begin) and (end is None or s.t1 <= end))
+        host = [e for e in events if str(e.get("cat", "")).lower() not in KEEP or e.get("name") == MARK]
+        spans = _on_device(spans_from_trace(host, mark_ns), events, mark_ns, pauses)
+        RECORDER.spans.extend(s for s in spans if (begin is None or s.t0 >= begin) and (end is None or s.t1 <= end))
     return result

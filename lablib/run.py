@@ -67,6 +67,7 @@ class RankPool:
         from .pool import protocol as P
         from .pool.failures import failure_message
         from .pool.worker import describe
+        from .gputime import timed_on_device
         from .timeline import RECORDER
 
         dist.barrier()
@@ -74,7 +75,7 @@ class RankPool:
         self.origin_ns = time.perf_counter_ns()
         RECORDER.start()
         try:  # shipped as a Cluster's ranks ship their values: tensors come back on the CPU
-            value, failure = P.ship(fn(*args, **kwargs), to_cpu=True), None
+            value, failure = P.ship(timed_on_device(fn, args, kwargs), to_cpu=True), None
         except Exception as exc:  # noqa: BLE001 - it goes to rank 0's report, as from a Cluster
             value, failure = None, describe(exc)
         self.spans = RECORDER.stop()

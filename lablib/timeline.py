@@ -30,8 +30,16 @@ KINDS = ("compute", "comm", "idle")
 
 class _Clock:
     """This rank's clock for spans, in ns: ``perf_counter_ns`` less ``paused``, the time spent in real
-    transfers standing in for a simulated link (``comm.simulated``); 0 otherwise."""
+    transfers standing in for a simulated link (``comm.simulated``); 0 otherwise. ``changes``, while a list
+    (``gputime`` on a GPU): (``perf_counter_ns``, ``paused`` from then on) at each change, to put the GPU's
+    records on this clock."""
     paused = 0
+    changes: list | None = None
+
+    def set_paused(self, paused: int) -> None:
+        self.paused = paused
+        if self.changes is not None:
+            self.changes.append((time.perf_counter_ns(), paused))
 
 
 CLOCK = _Clock()
@@ -198,7 +206,8 @@ class Timeline:
         for r, row in self.summary().items():
             lines.append(f"  rank {r}: compute {row['compute'] * 1e3:.2f} ms, comm {row['comm'] * 1e3:.2f} ms "
                          f"(hidden {row['hidden'] * 1e3:.2f}, exposed {row['exposed'] * 1e3:.2f}), waiting "
-                         f"{row['waiting'] * 1e3:.2f} ms, idle {row['idle'] * 1e3:.2f} ms, overlap {row['overlap']:.0%}")
+                         f"{row['waiting'] * 1e3:.2f} ms, idle {row['idle'] * 1e3:.2f} ms, "
+                         f"overlap (hidden / comm) {row['overlap']:.0%}")
         return "\n".join(lines)
 
     # -- drawing (lablib.views.timeline: the notebook side) ------------------------------------------

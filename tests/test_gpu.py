@@ -1,6 +1,6 @@
-"""The GPU path: NCCL with one GPU per rank, CUDA tensors, synchronised timing. Marked ``gpu``: they skip
-without CUDA and run with ``./lab.sh test -m gpu`` (or ``bash tests/gpu.sh``, which adds the NCCL
-bandwidth sweep). With a single GPU NCCL runs at world size 1: the multi-rank NCCL paths need 2."""
+"""The GPU path: NCCL with one GPU per rank, CUDA tensors, spans placed where their kernels ran. Marked
+``gpu``: they skip without CUDA and run with ``./lab.sh test -m gpu`` (or ``bash tests/gpu.sh``, which adds
+profiler traces and bench items). With a single GPU NCCL runs at world size 1: the multi-rank NCCL paths need 2."""
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +31,33 @@ def test_nccl_all_reduces_cuda_tensors_and_times_the_transfer():
         assert c.run(_all_reduce) == [("cuda", n * (n + 1) / 2)] * n
         spans = [s for s in c.timeline().spans if s.kind == "comm"]
         assert len(spans) == n and all(s.duration > 0 for s in spans)
+
+
+def _matmuls():
+    import lablib
+
+    x = torch.randn(2048, 2048, device=lablib.device())
+    for i in range(3):
+        with lablib.span(f"matmul {i}"):
+            x = x @ x / 2048
+    with lablib.span("on the host"):
+        sum(range(1000))
+    lablib.all_reduce(x)
+    return x.sum().item()
+
+
+def test_spans_are_placed_where_their_kernels_ran():
+    """Each matmul span lasts its kernel's time on the GPU, after its launch and in launch order; a span that
+    launched nothing keeps the host's clock; the lanes' labels say which."""
+    with Cluster(1, backend="nccl", timeout=60, quiet=True) as c:
+        c.run(_matmuls)
+        timeline = c.timeline()
+    spans = {s.name: s for s in timeline.spans}
+    mms = [spans[f"matmul {i}"] for i in range(3)]
+    assert all(s.meta["clock"] == "GPU kernels" and s.duration > 0 for s in mms), mms
+    assert mms[0].end <= mms[1].start + 1e-6 and mms[1].end <= mms[2].start + 1e-6  # one stream: one after another
+    assert spans["on the host"].meta["clock"] == "host"
+    assert "GPU kernels" in " ".join(timeline.figure().layout.yaxis.ticktext)
 
 
 def test_the_nccl_bandwidth_sweep_runs():

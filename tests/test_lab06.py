@@ -5,6 +5,7 @@ right answers and typical mistakes."""
 import math
 
 import pytest
+from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
@@ -699,7 +700,7 @@ def test_the_drawn_zigzag_step_is_the_run_whose_results_and_time_are_shown(clust
     results, timeline, seconds = median_run(cluster, cp.ring_attention, "zigzag", True, tokens=256)
     n = cluster.world_size
     assert seconds == max(r["seconds"][0] for r in results)  # the results shown are that run's
-    assert all(0 < r["attention_cpu_median"] and r["attention_cpu"] <= r["cpu"] for r in results)
+    assert all(0 < r["attention_median"] and r["attention"] <= r["cpu"] for r in results)
     sends = [s for s in timeline.spans if s.meta.get("op") == "send"]
     assert len(sends) == n * (n - 1)  # one step drawn: every rank's P - 1 hops, once
 
@@ -711,6 +712,9 @@ def test_the_notebooks_lines_name_their_backend_and_numbers(cluster):
     assert view.measured(cluster) == "measured, Gloo"
     assert view.spread({"contiguous": ([1, 7], [0.01, 0.03]), "zigzag": ([4, 4], [0.02, 0.025])}).endswith(
         "contiguous: work 7.0x, CPU time 3.0x; zigzag: work 1.0x, CPU time 1.2x")
+    gpu = SimpleNamespace(device="cuda", backend="nccl")  # what a label says of a run on GPUs
+    assert view.spread({"zigzag": ([4, 4], [0.02, 0.025])}, gpu).endswith("zigzag: work 1.0x, GPU time 1.2x")
+    assert "GPU time in attention" in view.work_figure({"zigzag": ([4, 4], [0.02, 0.025])}, gpu).layout.annotations[1].text
     line = view.sends([0.002, 0.010, 0.004], cluster)
     assert "took 4.0 ms, the median of the 3 sends" in line and "(2.0 to 10.0 ms; measured, Gloo" in line
     m = gqa_allgather(**LLAMA3_405B)  # 15/16 x 2 x 131072 x 8 x 128 x 2 bytes; 2 x 131072² x 128 x 128 / 16 FLOPs

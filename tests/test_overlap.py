@@ -62,7 +62,7 @@ def test_ops_come_from_the_traced_call_or_the_span_name():
 def test_summary_and_repr_use_the_same_numbers():
     tl = Timeline([S(0, "F0", "compute", 0, 0.002), S(0, "ar", "comm", 0.002, 0.003, op="all_reduce")], 1)
     assert tl.summary()[0]["exposed"] == pytest.approx(0.001)
-    assert "exposed 1.00" in repr(tl) and "overlap 0%" in repr(tl)
+    assert "exposed 1.00" in repr(tl) and "overlap (hidden / comm) 0%" in repr(tl)
 
 
 def test_a_collective_queued_behind_others_is_neither_communication_nor_hidden():

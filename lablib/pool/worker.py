@@ -174,9 +174,12 @@ def describe(exc: BaseException) -> P.Failure:
 
     import cloudpickle
 
+    from .. import device_audit, gputime
+
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # drop this file's frames: the learner's code starts below them
+    wrappers = (__file__, device_audit.__file__, gputime.__file__)
+    while tb is not None and tb.tb_frame.f_code.co_filename in wrappers:
+        tb = tb.tb_next  # drop the frames that call the job: the learner's code starts below them
     te = traceback.TracebackException(type(exc), exc, tb)
     # The collective that failed, e.g. "all_reduce", names the problem better than Gloo's text.
     op = next((f.name for f in reversed(te.stack) if f.filename.endswith("distributed_c10d.py")), None)
@@ -203,6 +206,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
     from .. import p2p
     from ..checks.namespace import restrict
     from ..device_audit import audited
+    from ..gputime import timed_on_device
     from ..timeline import RECORDER
 
     for filename, lines in job.sources.items():  # so tracebacks show notebook cell source
@@ -225,7 +229,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
             args, kwargs = tree_map(lambda v: to_device(v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         _State.running = True
         try:
-            result = audited(fn, args, kwargs)
+            result = timed_on_device(fn, args, kwargs, audited)
         finally:
             _State.running = False
         value = P.ship(result, to_cpu=True)

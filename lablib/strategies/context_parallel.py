@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,43 @@ from ..toy import seeded
 _BLOCKS: list = [None]  # (query rows, key rows) of each attend() while a check holds a list here
 _IN_FLIGHT: list = [None]  # per attend(), the receives posted and not yet waited for (comm.watched's works)
 _QUERIES: list = [None]  # the queries of each attend() while a check holds a list here (where each row came from)
-_ATTN_CPU: list = [0.0]  # CPU seconds this process's thread spent in attend() since ring_job last reset it
+
+
+class _AttentionTime:
+    """The time this rank spent in ``attend()`` since ``ring_job`` last reset it, on the clock its work runs
+    on: its thread's CPU time on the CPU (ranks that share cores take turns, and wall time would show the
+    turns), its kernels' time on a GPU (CUDA events around each block, read after one synchronisation)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.cpu, self.events = 0.0, []
+
+    @contextmanager
+    def measure(self, on_gpu: bool):
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.events.append((start, end))
+            return
+        cpu = time.thread_time()
+        try:
+            yield
+        finally:
+            self.cpu += time.thread_time() - cpu
+
+    def seconds(self) -> float:
+        if self.events:
+            self.events[-1][1].synchronize()
+        return self.cpu + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+_ATTN_TIME = _AttentionTime()
 
 
 def attend(q, k, v, q_pos, k_pos, causal: bool):
@@ -46,23 +83,19 @@ def attend(q, k, v, q_pos, k_pos, causal: bool):
         _IN_FLIGHT[0].append(sum(1 for w in WORKS[0] or () if w.op == "recv" and not w.waited))
     if _QUERIES[0] is not None:
         _QUERIES[0].append(q.detach().cpu().clone())
-    cpu = time.thread_time()
-    with span(f"attn {q.shape[-2]}x{k.shape[-2]}", "compute"):
-        try:
-            if not causal:
-                return _attend(q, k, v, None)
-            out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-            lse = q.new_full(q.shape[:-1], float("-inf"))
-            for a, b in _runs(q_pos):
-                rows = q_pos[a:b]
-                seen = [torch.arange(c, d, device=k.device) for c, d in _runs(k_pos) if k_pos[c] <= rows[-1]]
-                if seen:
-                    keys = torch.cat(seen)
-                    out[..., a:b, :], lse[..., a:b] = _attend(q[..., a:b, :], k[..., keys, :], v[..., keys, :],
-                                                              k_pos[keys][None, :] > rows[:, None])
-            return out, lse
-        finally:
-            _ATTN_CPU[0] += time.thread_time() - cpu
+    with span(f"attn {q.shape[-2]}x{k.shape[-2]}", "compute"), _ATTN_TIME.measure(q.is_cuda):
+        if not causal:
+            return _attend(q, k, v, None)
+        out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+        lse = q.new_full(q.shape[:-1], float("-inf"))
+        for a, b in _runs(q_pos):
+            rows = q_pos[a:b]
+            seen = [torch.arange(c, d, device=k.device) for c, d in _runs(k_pos) if k_pos[c] <= rows[-1]]
+            if seen:
+                keys = torch.cat(seen)
+                out[..., a:b, :], lse[..., a:b] = _attend(q[..., a:b, :], k[..., keys, :], v[..., keys, :],
+                                                          k_pos[keys][None, :] > rows[:, None])
+        return out, lse
 
 
 def _attend(q, k, v, masked):
@@ -167,7 +200,8 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
     attention ``fn(q, k, v, causal)``, contiguous) on this rank's part of the ``BIG`` sequence (``size``
     overrides it), after a warm-up; the timeline records the last. ``link``: messages over a simulated
     link (``comm.LINKS``). Returns the seconds of each step, the CPU seconds this rank's thread spent in
-    the last (its compute, whether or not it had a core to itself), the part of it spent in ``attend``, and
+    the last (its compute, whether or not it had a core to itself), the seconds of it spent in ``attend``
+    (``attention``: CPU time on the CPU, GPU time on a GPU: ``_AttentionTime``), and
     its attention work (causal query-key pairs); ``output``: also the last step's output and this rank's positions (CPU)."""
     import torch.distributed as dist
 
@@ -180,12 +214,12 @@ def ring_job(fn, layout: str = "contiguous", causal: bool = True, steps: int = 2
     every = [comm.to_device(positions(layout, p, n, s["tokens"])) for p in range(n)]
     q, k, v = (comm.to_device(t[..., mine, :].contiguous()) for t in qkv(s["batch"], s["heads"], s["tokens"], s["dim"]))
     def step():
-        _ATTN_CPU[0] = 0.0
+        _ATTN_TIME.reset()
         return fn(q, k, v, causal) if ulysses else fn(q, k, v, every, causal)
 
     seconds, cpu, out = timed_steps(steps, link, step)
     whole = torch.arange(s["tokens"])
-    return {"seconds": seconds, "cpu": cpu, "attention_cpu": _ATTN_CPU[0],
+    return {"seconds": seconds, "cpu": cpu, "attention": _ATTN_TIME.seconds(),
             "work": causal_pairs(mine, whole) if causal else len(mine) * s["tokens"],
             **({"out": (out[0] if isinstance(out, tuple) else out).cpu(), "rows": every[r].cpu()} if output else {})}
 
@@ -205,15 +239,15 @@ def versus_sdpa(results, causal: bool, **size) -> float:
 def median_run(cluster, fn, layout: str, causal: bool, runs: int = 3, **kwargs):
     """``runs`` separate runs of one timed step each (``ring_job``, after its warm-up), and the one whose
     step (its slowest rank) took the median time: (its per-rank results, its timeline, its step's seconds),
-    each result with ``attention_cpu_median``, that rank's median over the runs of its CPU seconds in
-    attention. The timeline drawn is then the step whose time is printed."""
+    each result with ``attention_median``, that rank's median over the runs of its seconds in attention (CPU
+    time on the CPU, GPU time on a GPU). The timeline drawn is then the step whose time is printed."""
     done = []
     for _ in range(runs):
         results = cluster.run(ring_job, fn, layout, causal, 1, **kwargs)
         done.append((max(r["seconds"][0] for r in results), results, cluster.timeline()))
     seconds, results, timeline = sorted(done, key=lambda d: d[0])[len(done) // 2]
     for rank, r in enumerate(results):
-        r["attention_cpu_median"] = statistics.median(d[1][rank]["attention_cpu"] for d in done)
+        r["attention_median"] = statistics.median(d[1][rank]["attention"] for d in done)
     return results, timeline, seconds
 
 

@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import statistics
 
-from .layout import log_ticks, tidy
+from .layout import backend, log_ticks, measured, tidy  # noqa: F401 (view.backend, view.measured)
 
 # One hue per P, shared by that P's two lines (what autograd keeps, what recomputation keeps)
 P_COLOURS = {1: "#4C78A8", 2: "#F58518", 4: "#54A24B", 8: "#B279A2"}
-
-
-def backend(cluster) -> str:
-    """The backend the cluster's collectives ran on, as a label says it: "Gloo" or "NCCL"."""
-    return {"nccl": "NCCL", "gloo": "Gloo"}.get(str(cluster.backend).lower(), str(cluster.backend))
-
-
-def measured(cluster) -> str:
-    """ "measured, Gloo" (or NCCL): what a label says of a number taken on this cluster."""
-    return f"measured, {backend(cluster)}"
 
 
 def sends(seconds: list[float], cluster) -> str:
@@ -30,22 +20,29 @@ def sends(seconds: list[float], cluster) -> str:
             f"({ms[0]:.1f} to {ms[-1]:.1f} ms; {measured(cluster)}, posted to delivered)")
 
 
-def spread(runs: dict) -> str:
-    """``runs`` as for ``work_figure``: per layout, the busiest rank's work and CPU time over the least busy's."""
-    parts = [f"{layout}: work {max(w) / min(w):.1f}x, CPU time {max(c) / min(c):.1f}x"
+def clock(cluster) -> str:
+    """ "CPU time" (or "GPU time"): what a rank's time in attention was measured by on this cluster."""
+    return "GPU time" if getattr(cluster, "device", "cpu") == "cuda" else "CPU time"
+
+
+def spread(runs: dict, cluster=None) -> str:
+    """``runs`` as for ``work_figure``: per layout, the busiest rank's work and time over the least busy's."""
+    time = clock(cluster)
+    parts = [f"{layout}: work {max(w) / min(w):.1f}x, {time} {max(c) / min(c):.1f}x"
              for layout, (w, c) in runs.items() if min(w) > 0 and min(c) > 0]
-    return "busiest rank over least busy (work counted, CPU time in attention measured): " + "; ".join(parts)
+    return f"busiest rank over least busy (work counted, {time} in attention measured): " + "; ".join(parts)
 
 
 def work_figure(runs: dict, cluster=None):
-    """``runs``: {layout: (per-rank work, per-rank CPU seconds in attention)}: two bar charts side by side. CPU
-    time, not the timeline's wall time: ranks that share cores take turns, and wall time would show the turns."""
+    """``runs``: {layout: (per-rank work, per-rank seconds in attention)}: two bar charts side by side. CPU time
+    on the CPU, not the timeline's wall time: ranks that share cores take turns, and wall time would show the
+    turns; on a GPU, the rank's kernels' time (``strategies.context_parallel``)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     how = measured(cluster) if cluster is not None else "measured"
     fig = make_subplots(1, 2, subplot_titles=("attention work (query-key pairs, counted)",
-                                              f"CPU time in attention, ms ({how}; median of the runs)"))
+                                              f"{clock(cluster)} in attention, ms ({how}; median of the runs)"))
     colours = {"contiguous": "#E45756", "zigzag": "#4C78A8"}
     for layout, (work, seconds) in runs.items():
         x = [f"rank {r}" for r in range(len(work))]
@@ -82,7 +79,7 @@ def memory_figure(rows: list[dict]):
 def three_ways(rows: list[dict], cluster) -> str:
     """A table of ``strategies.context_parallel.three_ways``: bytes rank 0 sent (measured, and the formula),
     the K/V a rank holds (counted) and the share of communication hidden under attention (measured)."""
-    lines = [f"{'':11}{'sent by rank 0, MiB':>22}{'by formula':>12}{'K/V held, MiB':>15}{'hidden':>12}",
+    lines = [f"{'':11}{'sent by rank 0, MiB':>22}{'by formula':>12}{'K/V held, MiB':>15}{'hidden/comm':>12}",
              f"{'':11}{'(' + measured(cluster) + ')':>22}{'':>12}{'(counted)':>15}{'(measured)':>12}"]
     for r in rows:
         lines.append(f"{r['way']:11}{r['sent'] / 2**20:22.2f}{r['formula'] / 2**20:12.2f}{r['held'] / 2**20:15.2f}"

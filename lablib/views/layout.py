@@ -52,3 +52,14 @@ def log_ticks(values, steps=(1, 3)) -> dict:
     ticks = [t for e in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
              for t in (float(f"{s}e{e}") for s in steps) if low / steps[-1] <= t <= high * steps[-1]]
     return dict(tickvals=ticks, ticktext=[f"{t:,.12g}" for t in ticks])
+
+
+def backend(cluster) -> str:
+    """The backend the cluster's collectives ran on, as a label says it: "Gloo" or "NCCL"."""
+    return {"nccl": "NCCL", "gloo": "Gloo"}.get(str(cluster.backend).lower(), str(cluster.backend))
+
+
+def measured(cluster) -> str:
+    """ "measured, Gloo" (or NCCL, and "GPU" where the ranks computed on one): what a label says of a number
+    taken on this cluster."""
+    return f"measured, {backend(cluster)}" + (", GPU" if getattr(cluster, "device", "cpu") == "cuda" else "")

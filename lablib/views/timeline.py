@@ -208,10 +208,24 @@ def _arrows(timeline, show_legend):
     return [go.Scattergl(**common)]
 
 
-def _axis(fig, world_size, row=None, col=None, flat=False):
+def lane_clocks(timeline) -> dict[tuple[int, str], str]:
+    """(rank, lane) -> the clock its bars were placed by, where a run says (``lablib.gputime`` on a GPU: "GPU
+    kernels", "host", or both where the lane holds some of each)."""
+    seen: dict = {}
+    for s in timeline.spans:
+        if s.meta.get("clock"):
+            lane = (s.rank, "comm" if s.kind == "comm" else "compute")
+            seen.setdefault(lane, set()).update(s.meta["clock"].split(" + "))
+    return {key: " + ".join(sorted(clocks)) for key, clocks in seen.items()}
+
+
+def _axis(fig, timeline, row=None, col=None, flat=False):
+    world_size, clocks = timeline.world_size, lane_clocks(timeline)
     lanes = ("compute",) if flat else LANES
     ticks = [lane_y(r, lane, flat) for r in range(world_size) for lane in lanes]
-    text = [f"rank {r}" if flat else f"rank {r} {lane}" for r in range(world_size) for lane in lanes]
+    text = [(f"rank {r}" if flat else f"rank {r} {lane}")
+            + (f"<br><span style='font-size:9px'>{clocks[r, lane]}</span>" if (r, lane) in clocks else "")
+            for r in range(world_size) for lane in lanes]
     fig.update_yaxes(tickmode="array", tickvals=ticks, ticktext=text,
                      range=[(2 if flat else 3) * world_size - (1.4 if flat else 1.5), -0.6],
                      zeroline=False, showgrid=False, row=row, col=col)
@@ -220,7 +234,8 @@ def _axis(fig, world_size, row=None, col=None, flat=False):
 def _table(timeline):
     rows = timeline.summary()
     ms = lambda key: [f"{rows[r][key] * 1e3:.2f}" for r in rows]  # noqa: E731
-    header = ["rank", "compute ms", "comm ms", "hidden ms", "exposed ms", "waiting ms", "idle ms", "overlap"]
+    header = ["rank", "compute ms", "comm ms", "hidden ms", "exposed ms", "waiting ms", "idle ms",
+              "overlap = hidden / comm"]
     cells = [[f"rank {r}" for r in rows], ms("compute"), ms("comm"), ms("hidden"), ms("exposed"), ms("waiting"),
              ms("idle"), [f"{rows[r]['overlap']:.0%}" for r in rows]]
     return go.Table(header=dict(values=header, fill_color="#EEEEEE", align="right"),
@@ -240,12 +255,12 @@ def timeline_figure(timeline, title: str | None = None, numbers: bool = True):
         for t in _bars(timeline):
             fig.add_trace(t, row=1, col=1)
         fig.add_trace(_table(timeline), row=2, col=1)
-        _axis(fig, n, row=1, col=1, flat=flat)
+        _axis(fig, timeline, row=1, col=1, flat=flat)
         fig.update_xaxes(title="time since the job started (ms)", row=1, col=1)
     else:
         table_h = 0
         fig = go.Figure(_bars(timeline))
-        _axis(fig, n, flat=flat)
+        _axis(fig, timeline, flat=flat)
         fig.update_xaxes(title="time since the job started (ms)")
     # the title under the toolbar (tidy), the legend (two rows where it has many entries) between it and the chart
     fig.update_layout(title=title if title is not None else (timeline.title or "Per-rank timeline"),
@@ -292,7 +307,7 @@ def compare_figure(timelines, titles=None, steps=None, title: str = ""):
     for i, t in enumerate(timelines, start=1):
         for trace in _bars(t, shown=shown, span=axis):
             fig.add_trace(trace, row=i, col=1)
-        _axis(fig, t.world_size, row=i, col=1, flat=compact(t))
+        _axis(fig, t, row=i, col=1, flat=compact(t))
     fig.update_xaxes(title="time since each run's first span (ms)", row=len(timelines), col=1)
     fig.update_layout(margin=dict(l=110, r=20, t=0, b=90), legend=dict(orientation="h", y=0, yanchor="bottom", x=0,
                                                                     yref="container"), plot_bgcolor="white", title=title)

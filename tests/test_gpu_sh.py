@@ -1,0 +1,54 @@
+"""``tests/gpu.sh``, the check a GPU machine runs, run here with ``--dry`` (the same logic on the CPU), so it
+cannot rot between GPU runs: its parts, its summary, its traces, its time budget and its stop."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_sh(tmp_path, *args, **env):
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", "tests/gpu.sh", "--dry", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "GPU_PY": sys.executable, "GPU_OUT": str(out), **env})
+    summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
+    return done, summary, out
+
+
+def test_the_dry_run_runs_every_part_and_leaves_traces_the_fixtures_replay(tmp_path):
+    done, summary, out = _gpu_sh(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr + summary
+    for name in ("versions", "traces", "fixtures", "gpu-tests", "bench"):
+        assert f"- {name}: passed" in summary, summary
+    assert "dry run on the CPU" in summary and "torch " in summary and "device: cpu" in summary
+    traces = sorted((out / "traces").iterdir())
+    assert 1 <= len(traces) <= 8 and all(t.stat().st_size < 400_000 for t in traces)
+    assert {t.name.split("-rank")[0] for t in traces} == {"lab03-prefetch", "lab05-1f1b"}
+    fixtures = (out / "logs" / "fixtures.log").read_text()
+    hand_written = 5  # tests/test_gputime.py's tests of the hand-written fixture, and one per trace besides
+    assert f"{len(traces) + hand_written} passed" in fixtures, fixtures
+
+
+def test_only_one_part_runs_again(tmp_path):
+    done, summary, _ = _gpu_sh(tmp_path, "--only", "versions")
+    assert done.returncode == 0 and "- versions: passed" in summary and "traces" not in summary
+
+
+def test_parts_past_the_budget_are_left_out_and_said_so(tmp_path):
+    done, summary, _ = _gpu_sh(tmp_path, GPU_BUDGET_S="0")
+    assert done.returncode == 3
+    assert summary.count("not run: ") == 5 and "passed" not in summary
+
+
+def test_a_part_still_running_at_the_stop_is_stopped(tmp_path):
+    done, summary, _ = _gpu_sh(tmp_path, "--only", "traces", GPU_STOP_S="2")
+    assert done.returncode == 1 and "- traces: STOPPED at 2 s into the check" in summary, summary
+
+
+@pytest.mark.parametrize("args", [["--only", "nothing"], ["--bogus"]])
+def test_bad_usage_says_what_is_allowed(tmp_path, args):
+    done, _, _ = _gpu_sh(tmp_path, *args)
+    assert done.returncode == 2 and "usage: bash tests/gpu.sh" in done.stderr and "versions traces" in done.stderr
