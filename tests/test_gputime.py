@@ -81,3 +81,16 @@ def test_a_captured_trace_places_every_span_after_its_launch(path):
             assert (after.t0, after.t1) == (before.t0, before.t1)
         else:
             assert after.t0 >= before.t0 - 500_000 and after.t1 >= after.t0, (before, after)
+
+
+def test_each_lane_says_the_clock_its_bars_were_placed_by():
+    _, placed = _placed(FIXTURES / "handwritten-step.json")
+    timeline = Timeline.from_raw({0: placed}, {0: 0}, US, 1)
+    ticks = list(timeline.figure().layout.yaxis.ticktext)
+    assert [t.split("<br>")[0] for t in ticks] == ["rank 0 compute", "rank 0 comm"]
+    assert "GPU kernels + host" in ticks[0] and "GPU kernels + host" in ticks[1]  # "loss" ran on the host
+    gpu_only = Timeline.from_raw({0: [s for s in placed if s.name != "loss"]}, {0: 0}, US, 1)
+    assert gpu_only.figure().layout.yaxis.ticktext[0].endswith(">GPU kernels</span>")
+    _, host = _load(FIXTURES / "handwritten-step.json")  # a run on the CPU records no clock: plain lanes
+    assert list(Timeline.from_raw({0: host}, {0: 0}, US, 1).figure().layout.yaxis.ticktext) == ["rank 0 compute",
+                                                                                                "rank 0 comm"]
