@@ -105,7 +105,7 @@ print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.
 print('NCCL', '.'.join(map(str, torch.cuda.nccl.version())) if cuda else 'not used: no GPU')
 print('device:', ', '.join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda else 'cpu')
 assert cuda or '$DEVICE' == 'cpu', 'torch sees no GPU: run with --dry on a CPU machine'"
-rm -rf "$OUTDIR/traces"
+[ -n "$ONLY" ] && [ "$ONLY" != traces ] || rm -rf "$OUTDIR/traces"  # fresh traces, unless another part reruns
 part traces "$PY" tests/gpu_capture.py "$OUTDIR/traces" --device "$DEVICE"
 part fixtures env LABLIB_GPU_TRACES="$OUTDIR/traces" "${PYTEST[@]}" tests/test_gputime.py
 part gpu-tests "${PYTEST[@]}" tests/test_gpu.py $([ $DEVICE = cuda ] && echo tests/test_device.py)

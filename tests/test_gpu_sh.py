@@ -28,7 +28,9 @@ def test_the_dry_run_runs_every_part_and_leaves_traces_the_fixtures_replay(tmp_p
     assert 1 <= len(traces) <= 8 and all(t.stat().st_size < 400_000 for t in traces)
     assert {t.name.split("-rank")[0] for t in traces} == {"lab03-prefetch", "lab05-1f1b"}
     fixtures = (out / "logs" / "fixtures.log").read_text()
-    hand_written = 5  # tests/test_gputime.py's tests of the hand-written fixture, and one per trace besides
+    # tests/test_gputime.py's tests of the hand-written fixture (all but the one that replays each trace), and one
+    # per trace
+    hand_written = (ROOT / "tests" / "test_gputime.py").read_text().count("\ndef test_") - 1
     assert f"{len(traces) + hand_written} passed" in fixtures, fixtures
 
 
@@ -52,3 +54,11 @@ def test_a_part_still_running_at_the_stop_is_stopped(tmp_path):
 def test_bad_usage_says_what_is_allowed(tmp_path, args):
     done, _, _ = _gpu_sh(tmp_path, *args)
     assert done.returncode == 2 and "usage: bash tests/gpu.sh" in done.stderr and "versions traces" in done.stderr
+
+
+def test_rerunning_the_fixtures_part_replays_the_traces_captured_before(tmp_path):
+    done, _, out = _gpu_sh(tmp_path, "--only", "traces")
+    traces = sorted(p.name for p in (out / "traces").iterdir())
+    done, summary, _ = _gpu_sh(tmp_path, "--only", "fixtures")
+    assert done.returncode == 0 and "- fixtures: passed" in summary
+    assert sorted(p.name for p in (out / "traces").iterdir()) == traces and traces
