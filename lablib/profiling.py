@@ -28,9 +28,9 @@ import tempfile
 import time
 import warnings
 
+from .gputime import MARK, clock_offset, events as _events, mark as _mark  # noqa: F401 (profiling.MARK)
 from .timeline import RECORDER, RawSpan
 
-MARK = "lablib.clock"
 # c10d's names for what it issues -> the timeline's ops
 C10D_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
             "broadcast": "broadcast", "alltoall": "all_to_all", "barrier": "barrier", "send": "send", "recv": "recv"}
@@ -59,15 +59,6 @@ def _minus(interval, holes):
     if a < b:
         pieces.append((a, b))
     return pieces
-
-
-def clock_offset(xs: list[dict], mark_ns: int) -> tuple[int, object]:
-    """(ns to add to a trace's µs × 1000 to land on the rank's clock, the thread that recorded the marker)
-    from the complete events ``xs`` of a Chrome trace."""
-    mark = next((e for e in xs if e.get("name") == MARK), None)
-    if mark is None:
-        raise ValueError(f"the trace has no {MARK!r} marker to align its clock with")
-    return mark_ns - round(mark["ts"] * 1000), mark["tid"]
 
 
 def spans_from_trace(events: list[dict], mark_ns: int) -> list[RawSpan]:
@@ -144,20 +135,6 @@ def mark_runs(spans: list, runs: list[tuple[int, int, int, str]]) -> list:
     return [marked.get(i, s) for i, s in enumerate(spans)]
 
 
-def _mark() -> int:
-    """Record the marker that ties the profiler's clock to ``perf_counter_ns``; returns its time. The
-    first ``record_function`` of a profile costs milliseconds (measured: 2.4 ms) and the marker's stamp
-    falls somewhere inside its entry, so warm up first and take the middle of the entry."""
-    from torch.profiler import record_function
-
-    with record_function("lablib.warm-up"):
-        pass
-    before = time.perf_counter_ns()
-    with record_function(MARK):
-        after = time.perf_counter_ns()
-    return (before + after) // 2
-
-
 def timed(fn, *args, **kwargs):
     """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)``, its lablib spans recorded as usual,
     with ``torch.profiler`` watching when the backend really ran each collective (see the module's
@@ -205,14 +182,6 @@ def _on_device(spans: list, events: list[dict], mark_ns: int, pauses: list) -> l
     return on_device(spans, device_records(events, mark_ns, pauses))
 
 
-def _events(prof) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="lablib-trace-") as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f)["traceEvents"]
-
-
 _BEGIN: list = [None, None]  # where the part worth drawing begins and ends (perf_counter_ns), if fn says
 
 
@@ -250,3 +219,6 @@ def profiled(fn, *args, **kwargs):
         spans = _on_device(spans_from_trace(host, mark_ns), events, mark_ns, pauses)
         RECORDER.spans.extend(s for s in spans if (begin is None or s.t0 >= begin) and (end is None or s.t1 <= end))
     return result
+
+
+profiled.own_profiler = timed.own_profiler = True  # gputime.timed_on_device leaves them to place their spans
