@@ -308,3 +308,40 @@ def test_without_bwrap_it_warns_or_refuses(work, monkeypatch):
 def test_where_the_run_cgroup_is_made(proc_cgroup, mountinfo, homes):
     found = _cgroup_homes(proc_cgroup, mountinfo)
     assert {c: (str(d), v) for c, (d, v) in found.items()} == homes
+
+
+FILL = """
+import errno, os, sys
+wrote = {}
+for folder in (os.getcwd(), "/tmp", os.environ["HOME"]):
+    n = 0
+    try:
+        with open(os.path.join(folder, "fill"), "wb") as f:
+            for _ in range(64):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                n += 1
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    wrote[folder] = n
+os.write(int(os.environ["LABLIB_RESULTS_FD"]), repr(wrote).encode() + sys.stdin.buffer.read())
+"""
+
+
+def test_a_box_with_scratch_writes_into_a_capped_tmpfs_of_its_own_and_answers_over_the_pipe(box, work):
+    """Its folder and /tmp are private tmpfs of 8 MiB each: writing stops there (ENOSPC), the host folder
+    stays empty, and what it reads on stdin and writes to the channel crosses no disk."""
+    result = python(FILL, work, scratch=8 << 20, stdin=b" and the request", channel=1 << 10)
+    assert result.returncode == 0, result.output
+    wrote = result.data.decode()
+    assert wrote.endswith(" and the request") and not result.data_over
+    sizes = eval(wrote.split(" and")[0])  # {folder: MiB written before ENOSPC}
+    assert sizes[str(work)] <= 8 and sizes["/tmp"] <= 8, sizes  # not the 64 MiB it tried
+    assert list(work.iterdir()) == []  # nothing reached the host
+    assert any("tmpfs" in e for e in result.enforced), result.enforced
+
+
+def test_the_channel_keeps_its_cap_and_says_when_the_box_went_over(box, work):
+    code = "import os\nos.write(int(os.environ['LABLIB_RESULTS_FD']), b'y' * 5000)"
+    result = python(code, work, scratch=1 << 20, channel=1000)
+    assert result.returncode == 0 and result.data == b"y" * 1000 and result.data_over

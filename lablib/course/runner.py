@@ -1,9 +1,10 @@
 """Inside the grading box: run a learner's exercise code and the checks' ``collect`` step, write plain data.
 
-    python -m lablib.course.runner REQUEST RESULTS
+    python -m lablib.course.runner < REQUEST      (results to the pipe whose fd is in LABLIB_RESULTS_FD)
 
-REQUEST (JSON, written by grade.py) lists per lab the exercise cells' sources and the check calls; each
-call's outcome is appended to RESULTS as one JSON line as soon as it is known, so what was collected
+The request (JSON, from grade.py on standard input, which is then closed: what checks are given is left
+nowhere for exercise code to read) lists per lab the exercise cells' sources and the check calls; each
+call's outcome goes back over the pipe as one JSON line as soon as it is known, so what was collected
 before a time limit or a crash is kept. Nothing here judges: grade.py reads the lines outside the box.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Deadline:
         self._timer.cancel()
 
 
-def main(request_path: str, results_path: str) -> int:
+def main() -> int:
     from ..checks import CheckFailed, vet
     from ..pool import Cluster, zygote
     from .plain import NotPlain, dumps, loads
@@ -53,20 +54,21 @@ def main(request_path: str, results_path: str) -> int:
     # ... &`) passes that on, and a check looping in this process would then run to the box's time limit.
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    with open(request_path, encoding="utf-8") as f:
-        request = json.load(f)
-    os.unlink(request_path)  # what a check is given (lablib's schedules, say) is not left for exercise code to find
-    # No file written here grows past what results need: the box's folder is on the grader's disk.
+    request = json.loads(sys.stdin.buffer.read())
+    # what a check is given (lablib's schedules, say) is not left for exercise code to find
+    sys.stdin.close()
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    # No file written here grows past what results need (where the box has no tmpfs of its own, its folder is
+    # on the grader's disk).
     resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE, MAX_FILE))
     nonce, limit = request["nonce"], float(request["check_timeout"])
-    out = open(results_path, "a", encoding="utf-8")
+    out = os.fdopen(int(os.environ.pop("LABLIB_RESULTS_FD")), "w", encoding="utf-8")
     # Out of the box's writable folder, which is the ranks' working directory and on their import path.
     os.chdir("/")
 
     def emit(**record):
         out.write(json.dumps({"nonce": nonce, **record}) + "\n")
         out.flush()
-        os.fsync(out.fileno())
 
     pools: dict[int, Cluster] = {}
     try:
@@ -126,4 +128,4 @@ def main(request_path: str, results_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main())

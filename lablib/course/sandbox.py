@@ -8,6 +8,12 @@ It has no network but loopback, its own process ids, a clean environment, and ru
 (nobody) with no capabilities; outside, its files and processes belong to the grader's user. When the
 command ends or runs out of time, everything it started is killed before ``run`` returns.
 
+``scratch``: the work dir is then no host directory but a private tmpfs of that size at the same path (and
+/tmp is one of that size too), so nothing the box writes reaches the host's disk; where bwrap cannot size a
+tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the command, and ``channel`` opens a
+pipe back (its fd in LABLIB_RESULTS_FD) whose first ``channel`` bytes come back in ``Result.data``: what a
+box hands back need not touch a disk either.
+
 Limits: the wall time always. Memory and processes (threads count) through a child cgroup (v2, or v1's
 memory and pids hierarchies) where this process may make one; else memory per process with RLIMIT_AS
 and no process limit, as RLIMIT_NPROC does not bind root and counts all of a user's processes.
@@ -27,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +74,8 @@ class Result:
     boxed: bool
     enforced: tuple[str, ...]  # e.g. ("pid namespace", "no network", "memory 8 GiB (cgroup v2)")
     warning: str = ""         # for the report when the command ran unboxed
+    data: bytes = b""         # what came over the channel (``run(channel=...)``), at most its cap
+    data_over: bool = False   # the box wrote more than the cap to the channel: ``data`` is cut there
 
 
 _probe: tuple[bool, str] | None = None
@@ -97,13 +106,16 @@ def _try_bwrap() -> tuple[bool, str]:
 
 
 def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overlays: Mapping[Path, Path] = _EMPTY,
-        env: Mapping[str, str] = _EMPTY, limits: Limits, cwd: Path | None = None) -> Result:
+        env: Mapping[str, str] = _EMPTY, limits: Limits, cwd: Path | None = None, scratch: int | None = None,
+        stdin: bytes | None = None, channel: int | None = None) -> Result:
     """Run ``argv`` in a box and wait for it, at most ``limits.seconds``.
 
-    ``workdir`` is the only writable host directory (at its own path; HOME points at it), ``readonly``
-    paths are seen at their own paths, ``overlays`` maps a path in the box to the host directory shown
-    there. The environment is ``env`` plus PATH, HOME and LANG unless ``env`` sets them. ``cwd``
-    (default: the work dir) is a path as the box sees it."""
+    ``workdir`` is the only writable host directory (at its own path; HOME points at it), or with ``scratch``
+    a private tmpfs of that many bytes at that path; ``readonly`` paths are seen at their own paths,
+    ``overlays`` maps a path in the box to the host directory shown there. The environment is ``env`` plus
+    PATH, HOME and LANG unless ``env`` sets them. ``cwd`` (default: the work dir) is a path as the box sees
+    it. ``stdin``: bytes the command reads on its standard input; ``channel``: a byte cap on the pipe whose
+    write end is fd LABLIB_RESULTS_FD in the command (``Result.data``)."""
     mode = os.environ.get("LABLIB_SANDBOX") or "auto"
     if mode not in ("auto", "off", "require"):
         raise SandboxError(f"LABLIB_SANDBOX={mode} is not understood: set it to off or require, or unset it")
@@ -117,6 +129,9 @@ def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overla
             raise SandboxError(f"{path} does not exist, so it cannot be shown in the box")
     cwd = Path(cwd).absolute() if cwd else workdir
     env = {"PATH": DEFAULT_PATH, "HOME": str(workdir), "LANG": "C.UTF-8", **env}
+    back = os.pipe() if channel is not None else None
+    if back:
+        env["LABLIB_RESULTS_FD"] = str(back[1])
 
     cgroup = _Cgroup.make(limits.memory_bytes, limits.processes)
     try:
@@ -126,16 +141,24 @@ def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overla
             binds = [("--ro-bind", p, p) for p in _interpreter_dirs()]
             binds += [("--ro-bind", p, p) for path in readonly for p in _as_given_and_real(path)]
             binds += [("--ro-bind", Path(src), Path(dest).absolute()) for dest, src in overlays.items()]
-            binds += [("--bind", p, p) for p in _as_given_and_real(workdir)]
-            command = [*prefix, *_box_args(shutil.which("bwrap"), binds, env, cwd, info_fd=info[1]), *argv]
+            if scratch is None:
+                binds += [("--bind", p, p) for p in _as_given_and_real(workdir)]
+            else:
+                binds += [(*_sized(scratch), "--tmpfs", workdir)]
+                enforced.append(f"writes: {_size(scratch)} of private tmpfs" + ("" if _bwrap_sizes() else
+                                                                                " (charged to the memory limit)"))
+            command = [*prefix, *_box_args(shutil.which("bwrap"), binds, env, cwd, info_fd=info[1], tmp=scratch),
+                       *argv]
             enforced = ["filesystem: only the given paths", "pid namespace", "no network",
                         f"time {limits.seconds:g} s", *enforced]
-            returncode, output, timed_out = _supervise(command, env, None, limits.seconds, info)
+            returncode, output, timed_out, data = _supervise(command, env, None, limits.seconds, info, stdin, back,
+                                                             channel)
             if returncode is not None and 128 < returncode <= 128 + 64:
                 returncode = 128 - returncode  # bwrap reports signal N as 128 + N; subprocess says -N
         else:
             enforced = [f"time {limits.seconds:g} s (process group)", *enforced]
-            returncode, output, timed_out = _supervise([*prefix, *argv], env, cwd, limits.seconds, None)
+            returncode, output, timed_out, data = _supervise([*prefix, *argv], env, cwd, limits.seconds, None, stdin,
+                                                             back, channel)
         out_of_memory = cgroup is not None and cgroup.oom_kills() > 0
     finally:
         if cgroup:
@@ -154,7 +177,8 @@ def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overla
         "grader's user, and use the network. "
         + ("Unset LABLIB_SANDBOX to use bubblewrap." if mode == "off" else
            "Install bubblewrap (apt-get install bubblewrap)."))
-    return Result(returncode, output, reason, boxed, tuple(enforced), warning)
+    return Result(returncode, output, reason, boxed, tuple(enforced), warning, bytes(data[:channel or 0]),
+                  channel is not None and len(data) > channel)
 
 
 def _limit_prefix(cgroup: _Cgroup | None, limits: Limits) -> tuple[list[str], list[str]]:
@@ -174,10 +198,29 @@ def _limit_prefix(cgroup: _Cgroup | None, limits: Limits) -> tuple[list[str], li
     return prefix, enforced
 
 
-def _box_args(bwrap: str, binds: list[tuple[str, Path, Path]], env: Mapping[str, str], cwd: Path,
-              info_fd: int | None = None) -> list[str]:
+def _bwrap_sizes() -> bool:
+    """Whether the installed bwrap sizes a tmpfs (``--size``, bubblewrap 0.7 and later)."""
+    return _bwrap_help().find("--size") >= 0
+
+
+@functools.cache
+def _bwrap_help() -> str:
+    try:
+        return subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _sized(size: int | None) -> tuple[str, ...]:
+    """bwrap's arguments that size the next tmpfs, where it can."""
+    return ("--size", str(size)) if size is not None and _bwrap_sizes() else ()
+
+
+def _box_args(bwrap: str, binds: list[tuple], env: Mapping[str, str], cwd: Path, info_fd: int | None = None,
+              tmp: int | None = None) -> list[str]:
     """bwrap's command line up to the command: namespaces, then the mounts in order (a later mount covers
-    an earlier one), then the root made read-only."""
+    an earlier one), then the root made read-only. ``tmp``: the size of the box's /tmp (default: tmpfs's)."""
     args = [bwrap, "--unshare-user", "--uid", str(BOX_USER), "--gid", str(BOX_USER), "--unshare-pid",
             "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv"]
@@ -195,9 +238,9 @@ def _box_args(bwrap: str, binds: list[tuple[str, Path, Path]], env: Mapping[str,
             args += ["--tmpfs", path, "--remount-ro", path]
         elif os.path.isfile(path):
             args += ["--ro-bind", "/dev/null", path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # --dev has a private /dev/shm
-    for flag, source, dest in binds:
-        args += [flag, str(source), str(dest)]
+    args += ["--proc", "/proc", "--dev", "/dev", *_sized(tmp), "--tmpfs", "/tmp"]  # --dev: a private /dev/shm
+    for bind in binds:
+        args += [str(part) for part in bind]
     return args + ["--remount-ro", "/", "--chdir", str(cwd), "--"]
 
 
@@ -217,32 +260,37 @@ def _as_given_and_real(path: Path) -> list[Path]:
 
 
 def _supervise(command: list[str], env: Mapping[str, str], cwd: Path | None, seconds: float,
-               info: tuple[int, int] | None) -> tuple[int | None, str, bool]:
+               info: tuple[int, int] | None, stdin: bytes | None = None, back: tuple[int, int] | None = None,
+               cap: int | None = None) -> tuple[int | None, str, bool, bytearray]:
     """Run the command in its own session and collect its output until it exits or the time is up;
     then kill its process group and, for a box, the box's init (so its whole pid namespace), and wait
-    until they are gone. ``info``: the pipe given to bwrap's --info-fd (closed here). Returns (exit
-    status, output, timed out)."""
+    until they are gone. ``info``: the pipe given to bwrap's --info-fd (closed here); ``stdin``: fed to the
+    command; ``back``: a pipe whose write end the command holds, read here up to ``cap`` bytes and one more
+    (closed here). Returns (exit status, output, timed out, what came over ``back``)."""
     deadline = time.monotonic() + seconds
     try:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=dict(env), cwd=cwd, start_new_session=True,
-                                pass_fds=info[1:] if info else ())
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
+                                start_new_session=True, pass_fds=(info[1:] if info else ()) + (back[1:] if back else ()))
     except BaseException:
-        if info:
-            os.close(info[0])
+        for fd in ((info[0],) if info else ()) + (back[:1] if back else ()):
+            os.close(fd)
         raise
     finally:
-        if info:
-            os.close(info[1])
+        for fd in ((info[1],) if info else ()) + (back[1:] if back else ()):
+            os.close(fd)
+    if stdin is not None:  # fed from a thread: the command may write output before it has read it all
+        threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True, name="lablib-box-stdin").start()
     exited = os.pidfd_open(proc.pid)  # readable once it exits; it stays unreaped, so its group id is safe
     out = proc.stdout.fileno()
-    tail, timed_out, box_init = bytearray(), False, None
+    tail, timed_out, box_init, data = bytearray(), False, None, bytearray()
+    channel = back[0] if back else None
     try:
         if info:
             box_init = _box_init(info[0], deadline)
             os.close(info[0])
             info = None
-        watch = [out, exited]
+        watch = [out, exited] + ([channel] if back else [])
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -256,6 +304,8 @@ def _supervise(command: list[str], env: Mapping[str, str], cwd: Path | None, sec
                 if not chunk:
                     watch.remove(out)
                 _keep(tail, chunk)
+            if channel in ready and not _take(channel, data, cap):
+                watch.remove(channel)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -275,8 +325,29 @@ def _supervise(command: list[str], env: Mapping[str, str], cwd: Path | None, sec
             os.close(info[0])
         _drain(out, tail)
         proc.stdout.close()
+        if back:
+            while select.select([channel], [], [], 0)[0] and _take(channel, data, cap):
+                pass
+            os.close(channel)
     text = tail.decode(errors="replace")[-OUTPUT_CHARS:]
-    return proc.returncode, text, timed_out
+    return proc.returncode, text, timed_out, data
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except OSError:  # the command ended, or closed its stdin, before reading it all
+        pass
+
+
+def _take(fd: int, data: bytearray, cap: int | None) -> bool:
+    """Read what the channel holds into ``data``, kept to ``cap`` bytes and one more (which says it went over);
+    False at its end."""
+    chunk = os.read(fd, 1 << 16)
+    if cap is None or len(data) <= cap:
+        data += chunk[:cap + 1 - len(data)] if cap is not None else chunk
+    return bool(chunk)
 
 
 def _box_init(fd: int, deadline: float) -> int | None:
