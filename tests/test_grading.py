@@ -690,3 +690,32 @@ def test_a_checks_data_keeps_tensors_of_every_shape_across_the_boxs_boundary():
     for t in (torch.tensor(0.25), torch.tensor(3), torch.zeros(0, 2), torch.arange(6.0).view(2, 3).t()):
         back = decode(json.loads(json.dumps(encode(t))))
         assert back.shape == t.shape and torch.equal(back, t)
+
+
+def test_exercise_code_starts_no_processes_while_graded(monkeypatch):
+    """A rank pool of its own (lablib.cluster) or any process, from a cell in the box or a function on the
+    ranks, is refused with the reason: spinning ranks of one learner took CPU from the boxes beside it."""
+    cells = {"pool": "lablib.cluster(3)", "fork": "torch.multiprocessing.Process(target=print).start()"}
+    request = {"nonce": "n", "check_timeout": 30, "labs": [{"lab": "x", "calls": [], "cells": [
+        {"name": name, "source": source} for name, source in cells.items()]}]}
+    back = os.pipe()
+    done = subprocess.run([sys.executable, "-m", "lablib.course.runner"], input=json.dumps(request).encode(),
+                          env={**os.environ, "LABLIB_RESULTS_FD": str(back[1]), "LABLIB_GRADING": "1"},
+                          pass_fds=back[1:], timeout=120)
+    os.close(back[1])
+    with os.fdopen(back[0]) as results:
+        errors = {r["cell"]: r["error"] for r in map(json.loads, results)}
+    assert done.returncode == 0 and sorted(errors) == ["fork", "pool"], errors
+    assert errors["pool"].startswith("RuntimeError: grading: exercise code may not start processes "
+                                     "(lablib.cluster(3), from <module>())")
+    assert "grading: exercise code may not start processes (os." in errors["fork"], errors["fork"]
+
+    from lablib import Cluster, RankError
+    from lablib.checks.namespace import namespace
+
+    monkeypatch.setenv("LABLIB_GRADING", "1")  # the ranks are started under grading; the harness may start them
+    ns = namespace()
+    exec(compile("def spawn():\n    torch.multiprocessing.Process(target=print).start()", "<x spawn>", "exec"), ns)
+    with Cluster(2, timeout=10, quiet=True) as cluster:
+        with pytest.raises(RankError, match="grading: exercise code may not start processes"):
+            cluster.run(ns["spawn"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import builtins
 import functools
 import math
+import os
+import sys
 import types
 
 from .policy import MODULES, SAFE_BUILTINS
@@ -87,3 +89,47 @@ def _filled(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+# -- no processes from exercise code while grading ------------------------------------------------------
+PROCESS_EVENTS = frozenset({"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                            "os.forkpty", "pty.spawn"})  # the audit events of starting a process
+
+
+def exercise_frame() -> str | None:
+    """The name of the exercise function (or cell) running on this thread's stack, if one is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == NAME:
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def refuse_from_exercise(what: str) -> None:
+    """Under grading (LABLIB_GRADING=1), a RuntimeError when exercise code is what asked for ``what``: a box
+    holds one learner, and processes started from their code would take the CPU that their checks and the
+    other boxes were given."""
+    if os.environ.get("LABLIB_GRADING") != "1":
+        return
+    by = exercise_frame()
+    if by is not None:
+        raise RuntimeError(f"grading: exercise code may not start processes ({what}, from {by}()). The check runs "
+                           "your functions on the ranks it needs; a rank pool of your own belongs in the "
+                           "notebook's other cells, which grading does not run.")
+
+
+def _audit(event: str, args) -> None:
+    if event in PROCESS_EVENTS:
+        refuse_from_exercise(event)
+
+
+_GUARDED = [False]
+
+
+def guard_processes() -> None:
+    """Under grading: from now on, in this process and those it forks, starting a process from exercise code
+    raises (an audit hook; it cannot be removed)."""
+    if os.environ.get("LABLIB_GRADING") == "1" and not _GUARDED[0]:
+        sys.addaudithook(_audit)
+        _GUARDED[0] = True

@@ -46,10 +46,12 @@ class Deadline:
 
 def main() -> int:
     from ..checks import CheckFailed, vet
+    from ..checks.namespace import guard_processes
     from ..pool import Cluster, zygote
     from .plain import NotPlain, dumps, loads
 
     zygote.start_here()  # one thread, no torch op yet: the ranks fork from a copy of this process
+    guard_processes()  # exercise code starts no process, here or on the ranks (which set the same hook)
     # A check's time limit is SIGINT (Deadline): a grader started with SIGINT ignored (`nohup lablib grade
     # ... &`) passes that on, and a check looping in this process would then run to the box's time limit.
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -250,6 +250,10 @@ def main() -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = threads
     signal.signal(signal.SIGINT, _on_sigint)
+    if os.environ.get("LABLIB_GRADING") == "1":  # exercise code run here starts no process
+        from ..checks.namespace import guard_processes
+
+        guard_processes()
     me = _Rank()
     me.connect_store()
     sys.stdout, sys.stderr = _RankStream(me.send, "stdout"), _RankStream(me.send, "stderr")
