@@ -36,7 +36,7 @@ def cgroup(request, monkeypatch):
     """Both ways of limiting: a cgroup where this process may make one, and without (rlimit, and only the
     pid namespace to end every process)."""
     if request.param == "no cgroup":
-        monkeypatch.setattr(sandbox._Cgroup, "make", classmethod(lambda cls, memory_bytes, processes: None))
+        monkeypatch.setattr(sandbox._Cgroup, "make", classmethod(lambda cls, memory_bytes, processes, cpus=None: None))
     return request.param
 
 
@@ -290,17 +290,18 @@ def test_without_bwrap_it_warns_or_refuses(work, monkeypatch):
     ("0::/user.slice/user-0.slice/session-3.scope\n",
      "35 24 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n",
      {"memory": ("/sys/fs/cgroup/user.slice/user-0.slice", "v2"),
-      "pids": ("/sys/fs/cgroup/user.slice/user-0.slice", "v2")}),
+      "pids": ("/sys/fs/cgroup/user.slice/user-0.slice", "v2"), "cpu": ("/sys/fs/cgroup/user.slice/user-0.slice", "v2")}),
     # cgroup v2 at the root of the hierarchy: under it
     ("0::/\n", "35 24 0:30 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
-     {"memory": ("/sys/fs/cgroup", "v2"), "pids": ("/sys/fs/cgroup", "v2")}),
-    # hybrid: memory and pids in v1 hierarchies, a v2 one without them
+     {"memory": ("/sys/fs/cgroup", "v2"), "pids": ("/sys/fs/cgroup", "v2"), "cpu": ("/sys/fs/cgroup", "v2")}),
+    # hybrid: memory, pids and cpu in v1 hierarchies, a v2 one without them
     ("8:pids:/\n4:memory:/process_api/9c44\n1:cpu,cpuacct:/\n0::/\n",
      "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
      "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
      "39 31 0:36 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n"
      "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n",
-     {"memory": ("/sys/fs/cgroup/memory/process_api/9c44", "v1"), "pids": ("/sys/fs/cgroup/pids", "v1")}),
+     {"memory": ("/sys/fs/cgroup/memory/process_api/9c44", "v1"), "pids": ("/sys/fs/cgroup/pids", "v1"),
+      "cpu": ("/sys/fs/cgroup/cpu,cpuacct", "v1")}),
     # v1 in a container that mounts its own cgroup as the hierarchy's root
     ("4:memory:/docker/ab12\n", "35 31 0:32 /docker/ab12 /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
      {"memory": ("/sys/fs/cgroup/memory", "v1")}),
@@ -345,3 +346,28 @@ def test_the_channel_keeps_its_cap_and_says_when_the_box_went_over(box, work):
     code = "import os\nos.write(int(os.environ['LABLIB_RESULTS_FD']), b'y' * 5000)"
     result = python(code, work, scratch=1 << 20, channel=1000)
     assert result.returncode == 0 and result.data == b"y" * 1000 and result.data_over
+
+
+SPIN = """
+import os, threading, time
+def spin():
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        pass
+threads = [threading.Thread(target=spin) for _ in range(os.cpu_count())]
+start = time.monotonic()
+for t in threads: t.start()
+for t in threads: t.join()
+cpu = os.times()
+print(f"{(cpu.user + cpu.system) / (time.monotonic() - start):.2f}")
+"""
+
+
+def test_a_cpu_share_holds_a_box_that_spins_on_every_core(box, work):
+    """Given half a core, a box spinning threads on every core gets about that: its CPU time over its wall
+    time. Where this machine gives no cgroup cpu controller, the limit is not among those enforced."""
+    result = python(SPIN, work, sandbox.Limits(HUNG, cpus=0.5))
+    assert result.returncode == 0, result.output
+    if not any(e.startswith("CPU 0.5 core") for e in result.enforced):
+        pytest.skip(f"no cgroup cpu controller to delegate here: {result.enforced}")
+    assert float(result.output.split()[-1]) < 0.8  # spinning on every core, it had half of one

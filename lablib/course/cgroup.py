@@ -1,5 +1,5 @@
-"""The child cgroups a box runs in (sandbox.py): its memory and process limits, its out-of-memory kills,
-and what is left of it to kill. cgroup v2, or v1's memory and pids hierarchies; nothing where this
+"""The child cgroups a box runs in (sandbox.py): its memory, process and CPU limits, its out-of-memory kills,
+and what is left of it to kill. cgroup v2, or v1's memory, pids and cpu hierarchies; nothing where this
 process may not make a child group."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 # How long killed processes may take to go; longer means the kernel is stuck (e.g. on a dead disk).
 GONE_S = 30.0
+CPU_PERIOD_US = 100_000  # the period a CPU quota is counted over
 
 
 def _size(n: int) -> str:
@@ -25,9 +26,10 @@ class _Cgroup:
         self.dirs, self.files, self.enforced = dirs, files, enforced
 
     @classmethod
-    def make(cls, memory_bytes: int | None, processes: int | None) -> _Cgroup | None:
-        """The cgroups for these limits (None: no limit), or None where this process may not make them."""
-        wanted = {"memory": memory_bytes, "pids": processes}
+    def make(cls, memory_bytes: int | None, processes: int | None, cpus: float | None = None) -> _Cgroup | None:
+        """The cgroups for these limits (None: no limit; ``cpus``: CPU time, in cores' worth), or None where
+        this process may not make them."""
+        wanted = {"memory": memory_bytes, "pids": processes, "cpu": cpus}
         try:
             with open("/proc/self/cgroup") as own, open("/proc/self/mountinfo") as mounts:
                 where = _cgroup_homes(own.read(), mounts.read())
@@ -52,6 +54,14 @@ class _Cgroup:
                 if controller == "pids":
                     (child / "pids.max").write_text(str(value))
                     enforced.append(f"processes {value} (cgroup {version})")
+                elif controller == "cpu":
+                    quota = max(1000, round(value * CPU_PERIOD_US))
+                    if version == "v2":
+                        (child / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+                    else:
+                        (child / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                        (child / "cpu.cfs_quota_us").write_text(str(quota))
+                    enforced.append(f"CPU {value:g} core(s) (cgroup {version})")
                 else:
                     limit, swap = (("memory.max", "memory.swap.max") if version == "v2" else
                                    ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"))
@@ -113,8 +123,11 @@ def _remove_stale(parent: Path):
             pass
 
 
+CONTROLLERS = ("memory", "pids", "cpu")
+
+
 def _cgroup_homes(proc_cgroup: str, mountinfo: str) -> dict[str, tuple[Path, str]]:
-    """Where to make a run's cgroup for "memory" and "pids": (directory, "v1" or "v2"), from this process's
+    """Where to make a run's cgroup for "memory", "pids" and "cpu": (directory, "v1" or "v2"), from this process's
     /proc/self/cgroup and /proc/self/mountinfo. In v1, under this process's cgroup. In v2, beside it: a v2
     cgroup that holds processes cannot pass memory or pids limits to children (except at the root)."""
     own = [line.split(":", 2) for line in proc_cgroup.splitlines() if line.count(":") >= 2]
@@ -130,10 +143,10 @@ def _cgroup_homes(proc_cgroup: str, mountinfo: str) -> dict[str, tuple[Path, str
             where = Path(point) / relative
             if fstype == "cgroup2" and controllers == "":
                 home = where if path == "/" else where.parent
-                for controller in ("memory", "pids"):
+                for controller in CONTROLLERS:
                     homes.setdefault(controller, (home, "v2"))
             elif fstype == "cgroup":
-                for controller in ("memory", "pids"):
+                for controller in CONTROLLERS:
                     if controller in controllers.split(",") and controller in options:
                         homes[controller] = (where, "v1")  # a controller mounted in v1 is not in v2
     return homes

@@ -11,6 +11,7 @@ that cannot be read is graded "invalid: reason", and grading goes on with the ne
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -114,6 +115,7 @@ class Course:
     seed: int
     check_timeout: float
     time_limit: float
+    cpus: float | None = None  # each box's CPU share, in cores (graded beside others), or the whole machine
 
 
 def grade(submissions, release_dir, out, source_dir=None, check_timeout: float = CHECK_TIMEOUT,
@@ -124,7 +126,11 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
     ``jobs``: learners graded at once, each in its own box (what one learner waits for, a hanging check
     say, then overlaps the others' work). ``shard`` (k, n): only every n-th learner from the k-th (1-based),
     for a class spread over machines (``lablib grade --merge`` joins their gradebooks). ``only``: that
-    learner alone, their rows replacing theirs in an existing ``out``, every other row kept."""
+    learner alone, their rows replacing theirs in an existing ``out``, every other row kept.
+
+    With ``jobs`` > 1 each box gets its share of the cores (a cgroup CPU quota, where the controller is
+    delegated), and a learner whose grading reached a time limit is graded again alone once the others are
+    done, before that is reported: a time limit reached beside others may be theirs."""
     from ..quiz.bank import default_dir, load_all
     from .notebook import read_notebook
 
@@ -149,7 +155,7 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
     sources = {name: read_notebook(Path(source_dir) / name) for name in releases} if source_dir else {}
     seed = secrets.randbelow(10 ** 6) if seed is None else seed
     course = Course(releases, {}, {}, {}, load_all(Path(banks_dir) if banks_dir else default_dir()), seed,
-                    check_timeout, time_limit)
+                    check_timeout, time_limit, max(1.0, (os.cpu_count() or 1) / jobs) if jobs > 1 else None)
     for name, nb in releases.items():
         course.calls[name], course.points[name] = check_calls(nb, sources.get(name), seed)
         # the solutions a copy of which is flagged: not those the stub dictates
@@ -160,15 +166,21 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
     lock = threading.Lock()
     write_rows(keep, out)  # a shard with no learners still has its gradebook
 
-    def one(folder):
+    again = []  # learners who reached a time limit beside others: graded again alone
+
+    def one(folder, alone=False):
         try:  # one learner never stops the others: whatever fails, they get rows
-            labs = grade_learner(folder, course)
+            labs = grade_learner(folder, course if not alone else dataclasses.replace(course, cpus=None))
         except Exception as exc:  # noqa: BLE001
             labs = [LabResult(folder.name, Path(n).stem, notes=[f"invalid: grading failed: {type(exc).__name__}: {exc}"])
                     for n in releases]
             for lab, name in zip(labs, releases):
                 lab.items = [Item(lab.learner, lab.lab, gid, "check", 0.0, p, "invalid")
                              for gid, p in course.points[name].items()]
+        if jobs > 1 and not alone and timed_out(labs):
+            with lock:
+                again.append(folder)
+            return
         try:
             write_report(labs, reports_dir(out), course.seed)
         except Exception as exc:  # noqa: BLE001
@@ -184,7 +196,18 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
     else:
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="lablib-grade") as pool:
             list(pool.map(one, learners))
+        for folder in sorted(again):
+            one(folder, alone=True)
     return [lab for f in learners for lab in done[f]]
+
+
+TIMED_OUT = ("timed out after", "stopped after", "time limit", "TimeoutError", "timeout")
+
+
+def timed_out(labs: list[LabResult]) -> bool:
+    """Whether a learner's grading reached a time limit somewhere: the box's, a check's, or a rank's wait."""
+    return any(word in text for lab in labs for text in [*lab.notes, *(i.detail for i in lab.items)]
+               for word in TIMED_OUT)
 
 
 def learner_folders(submissions: Path) -> list[Path]:
@@ -307,7 +330,8 @@ def run_box(request: list, course: Course, held: tuple = ()) -> tuple[dict, str]
         # The box writes into a tmpfs of its own and hands its results back over a pipe: no learner's files
         # reach the disk that every box, and the gradebook, share.
         run = sandbox.run([sys.executable, "-m", "lablib.course.runner"], workdir=work, **box_view(held_dir), env=env,
-                          limits=sandbox.Limits(seconds=course.time_limit), cwd=work, scratch=SCRATCH_BYTES,
+                          limits=sandbox.Limits(seconds=course.time_limit, cpus=course.cpus), cwd=work,
+                          scratch=SCRATCH_BYTES,
                           stdin=given, channel=RESULTS_BYTES)
         wanted = {c["id"] for lab in request for c in lab["calls"]}
         records, duplicated, cells = {}, set(), []

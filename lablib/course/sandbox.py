@@ -14,8 +14,8 @@ tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the co
 pipe back (its fd in LABLIB_RESULTS_FD) whose first ``channel`` bytes come back in ``Result.data``: what a
 box hands back need not touch a disk either.
 
-Limits: the wall time always. Memory and processes (threads count) through a child cgroup (v2, or v1's
-memory and pids hierarchies) where this process may make one; else memory per process with RLIMIT_AS
+Limits: the wall time always. Memory, processes (threads count) and CPU time through a child cgroup (v2, or
+v1's memory, pids and cpu hierarchies) where this process may make one; else memory per process with RLIMIT_AS
 and no process limit, as RLIMIT_NPROC does not bind root and counts all of a user's processes.
 ``Result.enforced`` lists what held.
 
@@ -63,6 +63,7 @@ class Limits:
     seconds: float                      # total wall time
     memory_bytes: int | None = 8 << 30  # all processes together (cgroup), or each one (rlimit)
     processes: int | None = 256         # processes and threads together; only with a cgroup
+    cpus: float | None = None           # CPU time, in cores' worth (a quota); only with a cgroup
 
 
 @dataclass
@@ -133,7 +134,7 @@ def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overla
     if back:
         env["LABLIB_RESULTS_FD"] = str(back[1])
 
-    cgroup = _Cgroup.make(limits.memory_bytes, limits.processes)
+    cgroup = _Cgroup.make(limits.memory_bytes, limits.processes, limits.cpus)
     try:
         prefix, enforced = _limit_prefix(cgroup, limits)
         if boxed:
