@@ -75,12 +75,16 @@ def mesh_groups(shape) -> dict:
 
 # -- the model and its data --------------------------------------------------------------------------------
 def model(width: int, hidden: int, layers: int, seed: int = 0) -> list[list[torch.Tensor]]:
-    """``layers`` blocks x + W2 gelu(W1 x + b1) + b2, each [w1 (hidden, width), b1, w2 (width, hidden), b2]."""
+    """``layers`` blocks x + W2 gelu(W1 x + b1) + b2, each [w1 (hidden, width), b1, w2 (width, hidden), b2]. W2
+    is scaled by 1/sqrt(layers), so the residual stack starts near the identity at every depth: SGD at ``LR``
+    then converges for every seed's size (unscaled, 4 seeds in 100 diverged within 6 steps, and a check's
+    6-step losses, compared within 1e-4, then told valid orders of summation apart)."""
     g = torch.Generator().manual_seed(100 + seed)
     out = []
     for _ in range(layers):
         out.append([torch.randn(hidden, width, generator=g) / width ** 0.5, torch.randn(hidden, generator=g) * 0.1,
-                    torch.randn(width, hidden, generator=g) / hidden ** 0.5, torch.randn(width, generator=g) * 0.1])
+                    torch.randn(width, hidden, generator=g) / (hidden * layers) ** 0.5,
+                    torch.randn(width, generator=g) * 0.1])
     return out
 
 
