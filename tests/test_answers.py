@@ -14,7 +14,8 @@ import pytest
 
 from lablib.answers import registered
 from lablib.checks import Check
-from lablib.course import grade, sandbox
+from lablib.course import box as grading_box
+from lablib.course import sandbox
 from lablib.labs import LABS
 from procs import HUNG
 from test_sandbox import box  # noqa: F401 (the fixture)
@@ -116,9 +117,9 @@ def test_the_grading_box_holds_no_lab_answers_but_those_its_lab_builds_on(box, t
     seen = json.loads((work / "found.json").read_text())
     assert seen["failed"] == {}
     (work / "found.json").unlink()
-    folder = grade.answers_folder(held)
+    folder = grading_box.answers_folder(held)
     try:
-        run = sandbox.run(argv, workdir=work, **grade.box_view(folder), limits=sandbox.Limits(HUNG))
+        run = sandbox.run(argv, workdir=work, **grading_box.box_view(folder), limits=sandbox.Limits(HUNG))
     finally:
         shutil.rmtree(folder)
     assert run.returncode == 0 and run.boxed, run.output

@@ -7,6 +7,7 @@ import json
 import nbformat
 import pytest
 
+from lablib.course import box
 from lablib.course import grade as grading
 from lablib.course import sandbox
 from lablib.course.release import release
@@ -60,7 +61,7 @@ def _require_box():
 
 def test_a_learner_who_fills_the_disk_costs_the_one_beside_them_nothing(release_dir, alone, monkeypatch):
     _require_box()
-    monkeypatch.setattr(grading, "SCRATCH_BYTES", 16 << 20)
+    monkeypatch.setattr(box, "SCRATCH_BYTES", 16 << 20)
     filler = {**OWN, 2: FILL + "    total = x.clone()\n    lablib.all_reduce(total)\n    return total / dist.get_world_size()"}
     assert _grade(release_dir, "filled", {"filler": filler, "solved": "solved"}, 2) == alone
 
@@ -82,7 +83,7 @@ def test_a_time_limit_reached_beside_others_is_graded_again_alone(release_dir, a
     share the machine): the solved learner is then graded again alone, with the real limit, and its rows are
     its rows alone."""
     _require_box()
-    real = grading.run_box
+    real = box.run_box
     shares = []
 
     def beside_others(request, course, held=()):
@@ -90,6 +91,6 @@ def test_a_time_limit_reached_beside_others_is_graded_again_alone(release_dir, a
         return real(request, course if course.cpus is None else grading.dataclasses.replace(course, check_timeout=0.001),
                     held)
 
-    monkeypatch.setattr(grading, "run_box", beside_others)
+    monkeypatch.setattr(box, "run_box", beside_others)
     assert _grade(release_dir, "again", {"other": "solved", "solved": "solved"}, 2) == alone
     assert shares.count(None) == 2 and len(shares) == 4  # each learner once beside the other, then once alone

@@ -314,7 +314,7 @@ def test_where_the_run_cgroup_is_made(proc_cgroup, mountinfo, homes):
 FILL = """
 import errno, os, sys
 wrote = {}
-for folder in (os.getcwd(), "/tmp", os.environ["HOME"], "/proc/1/cwd"):
+for folder in (os.getcwd(), "/tmp", os.environ["HOME"], "/proc/1/cwd", "/dev/shm"):
     n = 0
     try:
         with open(os.path.join(folder, "fill"), "wb") as f:
@@ -330,7 +330,7 @@ os.write(int(os.environ["LABLIB_RESULTS_FD"]), repr(wrote).encode() + sys.stdin.
 
 
 def test_a_box_with_scratch_writes_into_a_capped_tmpfs_of_its_own_and_answers_over_the_pipe(box, work):
-    """Its folder and /tmp are private tmpfs of 8 MiB each: writing stops there (ENOSPC), the host folder
+    """Its folder, /tmp and /dev/shm are private tmpfs of 8 MiB each: writing stops there (ENOSPC), the host folder
     stays empty (also through /proc/1/cwd, the box's init's folder), and what it reads on stdin and writes to
     the channel crosses no disk."""
     result = python(FILL, work, scratch=8 << 20, stdin=b" and the request", channel=1 << 10)
@@ -338,7 +338,7 @@ def test_a_box_with_scratch_writes_into_a_capped_tmpfs_of_its_own_and_answers_ov
     wrote = result.data.decode()
     assert wrote.endswith(" and the request") and not result.data_over
     sizes = eval(wrote.split(" and")[0])  # {folder: MiB written before ENOSPC}
-    assert sizes[str(work)] <= 8 and sizes["/tmp"] <= 8, sizes  # not the 64 MiB it tried
+    assert sizes[str(work)] <= 8 and sizes["/tmp"] <= 8 and sizes["/dev/shm"] <= 8, sizes  # not the 64 MiB it tried
     assert list(work.iterdir()) == []  # nothing reached the host
     assert any("tmpfs" in e for e in result.enforced), result.enforced
 

@@ -9,7 +9,7 @@ It has no network but loopback, its own process ids, a clean environment, and ru
 command ends or runs out of time, everything it started is killed before ``run`` returns.
 
 ``scratch``: the work dir is then no host directory but a private tmpfs of that size at the same path (and
-/tmp is one of that size too), so nothing the box writes reaches the host's disk; where bwrap cannot size a
+/tmp and /dev/shm are ones of that size too), so nothing the box writes reaches the host's disk; where bwrap cannot size a
 tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the command, and ``channel`` opens a
 pipe back (its fd in LABLIB_RESULTS_FD) whose first ``channel`` bytes come back in ``Result.data``: what a
 box hands back need not touch a disk either.
@@ -221,7 +221,8 @@ def _sized(size: int | None) -> tuple[str, ...]:
 def _box_args(bwrap: str, binds: list[tuple], env: Mapping[str, str], cwd: Path, info_fd: int | None = None,
               tmp: int | None = None) -> list[str]:
     """bwrap's command line up to the command: namespaces, then the mounts in order (a later mount covers
-    an earlier one), then the root made read-only. ``tmp``: the size of the box's /tmp (default: tmpfs's)."""
+    an earlier one), then the root made read-only. ``tmp``: the size of the box's /tmp and /dev/shm (default:
+    /tmp is tmpfs's default, /dev/shm part of /dev's)."""
     args = [bwrap, "--unshare-user", "--uid", str(BOX_USER), "--gid", str(BOX_USER), "--unshare-pid",
             "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--clearenv"]
@@ -239,7 +240,9 @@ def _box_args(bwrap: str, binds: list[tuple], env: Mapping[str, str], cwd: Path,
             args += ["--tmpfs", path, "--remount-ro", path]
         elif os.path.isfile(path):
             args += ["--ro-bind", "/dev/null", path]
-    args += ["--proc", "/proc", "--dev", "/dev", *_sized(tmp), "--tmpfs", "/tmp"]  # --dev: a private /dev/shm
+    args += ["--proc", "/proc", "--dev", "/dev", *_sized(tmp), "--tmpfs", "/tmp"]
+    if tmp is not None:  # --dev's /dev/shm is a folder of its tmpfs, which no size caps
+        args += [*_sized(tmp), "--tmpfs", "/dev/shm"]
     for bind in binds:
         args += [str(part) for part in bind]
     return args + ["--remount-ro", "/", "--chdir", str(cwd), "--"]
