@@ -118,7 +118,7 @@ def test_junit_xml_has_what_its_schema_requires(tmp_path):
 
 
 def test_a_box_folder_of_any_depth_and_modes_is_removed(tmp_path):
-    from lablib.course.grade import _remove
+    from lablib.course.box import _remove
 
     folder = deep = tmp_path / "box"
     folder.mkdir()

@@ -9,8 +9,8 @@ It has no network but loopback, its own process ids, a clean environment, and ru
 command ends or runs out of time, everything it started is killed before ``run`` returns.
 
 ``scratch``: the work dir is then no host directory but a private tmpfs of that size at the same path (and
-/tmp and /dev/shm are ones of that size too), so nothing the box writes reaches the host's disk; where bwrap cannot size a
-tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the command, and ``channel`` opens a
+/tmp and /dev/shm are ones of that size too), so nothing the box writes reaches the host's disk; where
+bwrap cannot size a tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the command, and ``channel`` opens a
 pipe back (its fd in LABLIB_RESULTS_FD) whose first ``channel`` bytes come back in ``Result.data``: what a
 box hands back need not touch a disk either.
 
@@ -130,11 +130,10 @@ def run(argv: list[str], *, workdir: Path, readonly: Sequence[Path] = (), overla
             raise SandboxError(f"{path} does not exist, so it cannot be shown in the box")
     cwd = Path(cwd).absolute() if cwd else workdir
     env = {"PATH": DEFAULT_PATH, "HOME": str(workdir), "LANG": "C.UTF-8", **env}
-    back = os.pipe() if channel is not None else None
+    cgroup = _Cgroup.make(limits.memory_bytes, limits.processes, limits.cpus)
+    back = os.pipe() if channel is not None else None  # _supervise closes both ends
     if back:
         env["LABLIB_RESULTS_FD"] = str(back[1])
-
-    cgroup = _Cgroup.make(limits.memory_bytes, limits.processes, limits.cpus)
     try:
         prefix, enforced = _limit_prefix(cgroup, limits)
         if boxed:
