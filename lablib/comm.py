@@ -1,9 +1,10 @@
 """Traced collectives: the ``torch.distributed`` calls the labs use, each recorded as a comm span.
 
 Same arguments as ``torch.distributed``; ``name=`` labels the span. Synchronous calls are timed from
-call to return (on a GPU, ``lablib.gputime`` then places each span where its kernels ran); ``async_op=True`` calls return a ``Work`` whose span runs from issue to completion
-(seen by a callback on the work's future, or for Gloo's sends and recvs, which have none, by a thread
-that waits on the work; not by when ``wait()`` was called).
+call to return (on a GPU, ``lablib.gputime`` then places each span where its kernels ran);
+``async_op=True`` calls return a ``Work`` whose span runs from issue to completion (seen by a callback
+on the work's future, or for Gloo's sends and recvs, which have none, by a thread that waits on the
+work; not by when ``wait()`` was called).
 
 ``bytes`` on a span is the tensor this rank contributes (for an all-gather, its input: nccl-tests'
 "size" is the whole output); what crosses the wire depends on the algorithm and is the subject of

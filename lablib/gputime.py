@@ -175,6 +175,23 @@ def pauses_kept():
         CLOCK.changes = None
 
 
+def activities() -> list:
+    """What the profiler records on this rank: the host's ops, and on a GPU its kernels too."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if wanted() and torch.cuda.is_available() else [])
+
+
+def place(spans: list, trace: list[dict], mark_ns: int, pauses: list) -> list:
+    """``spans`` placed where their GPU work ran (saved first, under LABLIB_SAVE_TRACES), where this rank's
+    jobs are timed on the GPU; else as they are."""
+    if not wanted():
+        return spans
+    save(trace, mark_ns, spans, pauses)
+    return on_device(spans, device_records(trace, mark_ns, pauses))
+
+
 def timed_on_device(fn, args=(), kwargs=None, call=None):
     """``fn(*args, **kwargs)`` (or ``call(fn, args, kwargs)``) on this rank, its spans placed where its GPU
     work ran: under the profiler, one synchronisation at the end. As it is where the rank has no GPU (and no
@@ -183,14 +200,12 @@ def timed_on_device(fn, args=(), kwargs=None, call=None):
     call = call or (lambda fn, args, kwargs: fn(*args, **kwargs))
     if not wanted() or getattr(fn, "own_profiler", False):
         return call(fn, args, kwargs)
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     from .comm import synchronize
     from .timeline import RECORDER
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities)
+    prof = profile(activities=activities())
     prof.start()
     try:
         with pauses_kept() as pauses:
@@ -202,9 +217,7 @@ def timed_on_device(fn, args=(), kwargs=None, call=None):
         spans = RECORDER.spans
         if spans is not None:
             try:
-                trace = events(prof)
-                save(trace, mark_ns, spans, pauses)
-                spans[:] = on_device(spans, device_records(trace, mark_ns, pauses))
+                spans[:] = place(spans, events(prof), mark_ns, pauses)
             except Exception as exc:  # noqa: BLE001 - the job's result matters more than its chart
                 print(f"lablib: this job's spans keep the host's clock (launches, not kernels): reading the "
                       f"profiler's trace failed: {type(exc).__name__}: {exc}", file=sys.stderr)

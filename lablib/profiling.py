@@ -22,13 +22,10 @@ the time the data was moving.
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 import warnings
 
-from .gputime import MARK, clock_offset, events as _events, mark as _mark  # noqa: F401 (profiling.MARK)
+from .gputime import MARK, activities, clock_offset, events as _events, mark as _mark, place  # noqa: F401 (MARK)
 from .timeline import RECORDER, RawSpan
 
 # c10d's names for what it issues -> the timeline's ops
@@ -142,44 +139,18 @@ def timed(fn, *args, **kwargs):
     kernels ran (``lablib.gputime``), which says when NCCL ran each collective."""
     from torch.profiler import profile
 
+    from .comm import synchronize
     from .gputime import pauses_kept
 
-    with profile(activities=_activities()) as prof, pauses_kept() as pauses:
+    with profile(activities=activities()) as prof, pauses_kept() as pauses:
         mark_ns = _mark()
         result = fn(*args, **kwargs)
-        _synchronize()
+        synchronize()
     if RECORDER.spans is not None:
         events = _events(prof)
         spans = mark_runs(RECORDER.spans, backend_runs(events, mark_ns))
-        RECORDER.spans[:] = _on_device(spans, events, mark_ns, pauses)
+        RECORDER.spans[:] = place(spans, events, mark_ns, pauses)
     return result
-
-
-def _activities() -> list:
-    """What the profiler records: the host's ops, and on a GPU its kernels too."""
-    from torch.profiler import ProfilerActivity
-
-    from .gputime import wanted
-
-    import torch
-
-    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if wanted() and torch.cuda.is_available() else [])
-
-
-def _synchronize() -> None:
-    from .comm import synchronize
-
-    synchronize()
-
-
-def _on_device(spans: list, events: list[dict], mark_ns: int, pauses: list) -> list:
-    """``spans`` placed where their GPU work ran, on a GPU (``lablib.gputime``); else as they are."""
-    from .gputime import device_records, on_device, save, wanted
-
-    if not wanted():
-        return spans
-    save(events, mark_ns, spans, pauses)
-    return on_device(spans, device_records(events, mark_ns, pauses))
 
 
 _BEGIN: list = [None, None]  # where the part worth drawing begins and ends (perf_counter_ns), if fn says
@@ -202,21 +173,22 @@ def profiled(fn, *args, **kwargs):
     where ``fn`` called ``steps_begin()`` and ``steps_end()`` if it did."""
     from torch.profiler import profile
 
+    from .comm import synchronize
     from .gputime import KEEP, pauses_kept
 
     own, RECORDER.spans, _BEGIN[:] = RECORDER.spans, None, [None, None]
     try:
-        with profile(activities=_activities()) as prof, pauses_kept() as pauses:
+        with profile(activities=activities()) as prof, pauses_kept() as pauses:
             mark_ns = _mark()
             result = fn(*args, **kwargs)
-            _synchronize()
+            synchronize()
     finally:
         RECORDER.spans = own
     events = _events(prof)
     if RECORDER.spans is not None:
         begin, end = _BEGIN
         host = [e for e in events if str(e.get("cat", "")).lower() not in KEEP or e.get("name") == MARK]
-        spans = _on_device(spans_from_trace(host, mark_ns), events, mark_ns, pauses)
+        spans = place(spans_from_trace(host, mark_ns), events, mark_ns, pauses)
         RECORDER.spans.extend(s for s in spans if (begin is None or s.t0 >= begin) and (end is None or s.t1 <= end))
     return result
 

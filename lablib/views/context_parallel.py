@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from .layout import backend, log_ticks, measured, tidy  # noqa: F401 (view.backend, view.measured)
+from .layout import backend, log_ticks, measured, on_gpu, tidy  # noqa: F401 (view.backend, view.measured)
 
 # One hue per P, shared by that P's two lines (what autograd keeps, what recomputation keeps)
 P_COLOURS = {1: "#4C78A8", 2: "#F58518", 4: "#54A24B", 8: "#B279A2"}
@@ -22,7 +22,7 @@ def sends(seconds: list[float], cluster) -> str:
 
 def clock(cluster) -> str:
     """ "CPU time" (or "GPU time"): what a rank's time in attention was measured by on this cluster."""
-    return "GPU time" if getattr(cluster, "device", "cpu") == "cuda" else "CPU time"
+    return "GPU time" if on_gpu(cluster) else "CPU time"
 
 
 def spread(runs: dict, cluster=None) -> str:

@@ -59,7 +59,12 @@ def backend(cluster) -> str:
     return {"nccl": "NCCL", "gloo": "Gloo"}.get(str(cluster.backend).lower(), str(cluster.backend))
 
 
+def on_gpu(cluster) -> bool:
+    """Whether the cluster's ranks computed on GPUs."""
+    return getattr(cluster, "device", "cpu") == "cuda"
+
+
 def measured(cluster) -> str:
     """ "measured, Gloo" (or NCCL, and "GPU" where the ranks computed on one): what a label says of a number
     taken on this cluster."""
-    return f"measured, {backend(cluster)}" + (", GPU" if getattr(cluster, "device", "cpu") == "cuda" else "")
+    return f"measured, {backend(cluster)}" + (", GPU" if on_gpu(cluster) else "")
