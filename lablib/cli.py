@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     grd.add_argument("--out", default="gradebook.csv", help="gradebook CSV (reports go to <name>-reports/)")
     grd.add_argument("--source", help="source notebooks: also run their hidden checks and flag copied solutions")
     grd.add_argument("--banks", help="the keyed quiz banks (default: the repository's quizzes/)")
-    grd.add_argument("--seed", type=int, help="seed of the checks' inputs (default: drawn at random, "
-                                              "written in every report)")
+    grd.add_argument("--secret", help="32 hex digits (128 bits) the checks' inputs are drawn from (default: drawn "
+                                      "at random and printed, to grade again on the same inputs; reports show "
+                                      "only its fingerprint)")
     grd.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT,
                      help=f"seconds for one check (default {CHECK_TIMEOUT:g})")
     grd.add_argument("--time-limit", type=float, default=TIME_LIMIT,
@@ -197,7 +198,7 @@ def _grade(args) -> int:
 
 
 def _grade_submissions(args, out):
-    from .course.grade import grade
+    from .course.grade import grade, parse_secret
 
     shard = (1, 1)
     if args.shard:
@@ -205,8 +206,12 @@ def _grade_submissions(args, out):
         if not (k.isdigit() and n.isdigit()):
             raise ValueError(f"--shard {args.shard}: write it K/N, e.g. --shard 2/4 for the second of four")
         shard = (int(k), int(n))
+    secret = parse_secret(args.secret)  # a bad one is refused before any learner is graded
     results = grade(args.submissions, args.release, out, args.source, args.check_timeout, args.time_limit,
-                    args.seed, args.banks, args.jobs, shard, args.only)
+                    secret, args.banks, args.jobs, shard, args.only)
+    if args.secret is None:
+        print(f"the checks' inputs were drawn from the secret {secret.hex()} (--secret {secret.hex()} grades on the "
+              "same inputs again; keep it from learners)")
     for lab in results:
         flag = f"  (flagged: {'; '.join(lab.flags)})" if lab.flags else ""
         invalid = next((f"  ({n})" for n in lab.notes if n.startswith("invalid")), "")

@@ -11,7 +11,7 @@ tests/test_layout.py holds every registered lab to this, and every notebook in s
 ``builds_on``: the earlier labs whose answers (lablib's) a lab's rank jobs run as its harness, as lab 08
 composes lab 04's tensor-parallel layer and lab 05's executor. The box that grades such a lab holds those
 answers and no other lab's (``course.grade``); the learner's own code of that lab is still refused any
-reach into lablib's answers (``checks.policy``).
+reach into lablib's answers (``rules.policy``).
 """
 from typing import NamedTuple
 

@@ -132,7 +132,7 @@ def run_checks(lab, notebook: Path, pool: RankPool) -> tuple[int, int]:
     from .checks import CheckFailed, vet
     from .course.exercises import check_calls, exercise_code
     from .course.grade import read_submission
-    from .checks.namespace import namespace
+    from .rules.namespace import namespace
     from .paths import LABS as RELEASES
 
     rank, n = dist.get_rank(), dist.get_world_size()

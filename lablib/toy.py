@@ -68,8 +68,14 @@ def seeded(seed: int):
     grader judges learners in threads (``lablib grade --jobs``), and two threads seeding at once would
     interleave their draws and build other weights than the ranks did."""
     with _SEEDING:
-        torch.manual_seed(seed)
+        torch.manual_seed(seed % (1 << 64))
         yield
+
+
+def generator(seed: int) -> torch.Generator:
+    """A generator seeded with ``seed`` taken into torch's 64 bits: a grading call's seed has 62
+    (course/exercises.call_seed), and multiples of it (other weights per step, per rank) pass 64."""
+    return torch.Generator().manual_seed(seed % (1 << 64))
 
 
 def build_model(name: str, seed: int = 0) -> nn.Sequential:
@@ -94,7 +100,7 @@ def _build(name: str) -> nn.Sequential:
 def batch(name: str, step: int, rank: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s micro-batch at ``step``: different on every rank and step (and ``seed``: a grading
     draw), the same every run."""
-    g = torch.Generator().manual_seed(1000 * step + rank + 1_000_003 * seed)
+    g = generator(1000 * step + rank + 1_000_003 * seed)
     shapes = MODELS[name]
     return torch.randn(shapes["x"], generator=g), torch.randn(shapes["y"], generator=g)
 

@@ -29,10 +29,10 @@ def test_learners_text_is_escaped_and_a_code_block_outlasts_its_backticks():
 
 
 def test_a_report_with_a_lone_surrogate_is_written_as_utf8(tmp_path):
-    write_report(_results()[:2], tmp_path, seed=7)
+    write_report(_results()[:2], tmp_path, secret="0123456789ab")
     text = (tmp_path / "ada.md").read_bytes().decode("utf-8")
     assert "  Task 1.1: \\ud800 ``` \\u001b[31m" in text.splitlines()
-    assert "  ````" in text.splitlines() and "seed 7" in text
+    assert "  ````" in text.splitlines() and "fingerprint 0123456789ab" in text
 
 
 def test_rows_round_trip_and_shards_merge_in_learner_order(tmp_path):
@@ -132,23 +132,31 @@ def test_a_box_folder_of_any_depth_and_modes_is_removed(tmp_path):
 
 
 def _restricted_builtins(fns):
-    return [sorted(fn.__globals__["__builtins__"]) for fn in fns]
+    # a function's own __builtins__ (fixed when it is made), not its globals' entry: the one its frames use
+    return [sorted(fn.__builtins__) for fn in fns]
+
+
+def _call(fn):
+    return fn()
 
 
 def test_exercise_functions_keep_the_boxs_builtins_on_the_ranks(monkeypatch):
     """cloudpickle rebuilds a function on the rank with the rank's real builtins; in a grading box
-    (LABLIB_GRADING=1, which its ranks inherit) restrict() gives the exercise namespace's functions (and
-    their helpers and classes) the box's builtins again."""
-    from lablib import Cluster
-    from lablib.checks.namespace import exercise_builtins, namespace
+    (LABLIB_GRADING=1, which its ranks inherit) the exercise namespace's functions (and their helpers and
+    classes) are rebuilt with the box's builtins instead, so a name the box lacks is not there on the ranks."""
+    from lablib import Cluster, RankError
+    from lablib.rules.namespace import exercise_builtins, namespace
 
     monkeypatch.setenv("LABLIB_GRADING", "1")
 
     ns = namespace()
     exec(compile("def helper(x):\n    return x\n"
                  "class Fn:\n    @staticmethod\n    def forward(x):\n        return helper(x)\n"
-                 "def mine(x):\n    return Fn.forward(x)\n", "<exercise>", "exec"), ns)
+                 "def mine(x):\n    return Fn.forward(x)\n"
+                 "def leak():\n    return open\n", "<exercise>", "exec"), ns)
     with Cluster(2, quiet=True) as cluster:
         got = cluster.run(_restricted_builtins, [ns["mine"], ns["helper"], ns["Fn"].forward])
+        with pytest.raises(RankError, match="name 'open' is not defined"):
+            cluster.run(_call, ns["leak"])
     assert got == [[sorted(exercise_builtins())] * 3] * 2
     assert "getattr" not in exercise_builtins() and "open" not in exercise_builtins()

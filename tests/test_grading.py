@@ -133,6 +133,27 @@ CHAIN = "\n".join(f"a{i + 1} = a{i}" for i in reversed(range(1000))) + "\na0 = t
 BIG = "\n".join(f"b{i} = {i}" for i in range(10000)) + "\ndef helper():\n    pass\n"     # 128 KB
 
 
+# What a red team found past the rules that read the text (each scored on today's main of then; each must
+# score 0 now). 1: a name bound to a submodule of torch, taken for torch itself, reaches inspect, and from the
+# rank job's frame its seed: every rank rebuilds every rank's input, and no message moves.
+PAST_RULES = ("def mean_across_ranks(x):\n    nn = torch.nn\n    look = nn.parallel.distributed.inspect\n"
+              "    seed = [look.getargvalues(f[0]).locals['seed'] for f in look.stack() if f.function == 'mean_job'][0]\n"
+              "    g = torch.Generator().manual_seed(seed)\n"
+              "    return torch.stack([torch.randn(3 + seed % 7, generator=g) * 10 for r in range(2)]).mean(0)")
+# 2: the inputs rebuilt by trying seeds until this rank's own input comes out (the run's seed was small).
+SEED_SEARCH = ("def mean_across_ranks(x):\n    for seed in range(40000, 50000):\n"
+               "        g = torch.Generator().manual_seed(seed)\n"
+               "        ins = [torch.randn(3 + seed % 7, generator=g) * 10 for r in range(2)]\n"
+               "        if ins[dist.get_rank()].shape == x.shape and torch.equal(ins[dist.get_rank()], x):\n"
+               "            return torch.stack(ins).mean(0)\n    return x")
+# 3: the data moved through torch.distributed's store, which no rule named and no count sees.
+STORE = ("def mean_across_ranks(x):\n    rank, n = dist.get_rank(), dist.get_world_size()\n"
+         "    store = dist.FileStore('mean-store', n)\n"
+         "    store.set(str(rank), ','.join(str(v) for v in x.tolist()))\n"
+         "    rows = [[float(v) for v in store.get(str(r)).decode().split(',')] for r in range(n)]\n"
+         "    return torch.tensor(rows, dtype=x.dtype).mean(0)")
+
+
 def _learners(released, root):
     victim = root / "submissions" / "zz_later" / f"{LAB}.ipynb"
     release_copy = root / "release" / f"{LAB}.ipynb"
@@ -214,6 +235,10 @@ def _learners(released, root):
         "fence": (_learner(released, {**OWN, 2: FENCE}), "solved"),
         "alias_chain": (_learner(released, {**OWN, 2: CHAIN + SIGNATURES[2] + "\n" + OWN[2]}), "solved"),
         "big_cell": (_learner(released, "solved", insert=[BIG]), "solved"),
+        # 13: past the rules that read the text (see PAST_RULES)
+        "past_rules": (_learner(released, {**OWN, 2: PAST_RULES}), "solved"),
+        "seed_search": (_learner(released, {**OWN, 2: SEED_SEARCH}), "solved"),
+        "store": (_learner(released, {**OWN, 2: STORE}), "solved"),
         # 11: hangs in two checks, solves the third
         "hangs": (_learner(released, {2: "    while True:\n        pass", 4: "    while True:\n        pass",
                                       6: RING}), None),
@@ -279,7 +304,7 @@ def course(tmp_path_factory):
     # limit is SIGINT), two learners at once.
     proc = subprocess.run([sys.executable, "-c", NOHUP, "grade", str(subs), "--release", str(root / "release"),
                            "--source", str(root / "source"), "--out", str(out), "--check-timeout",
-                           str(CHECK_TIMEOUT), "--seed", "42", "--jobs", "2"], capture_output=True, text=True, timeout=1200,
+                           str(CHECK_TIMEOUT), "--secret", "42" * 16, "--jobs", "2"], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TMPDIR": str(root / "tmp")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = list(csv.DictReader(open(out)))
@@ -321,7 +346,11 @@ def test_work_done_gets_full_marks_with_hidden_checks(course):
     assert _checks(rows, "good") == {"check-0.1": (1, "passed"), "check-1.1": (1, "passed"),
                                      "check-2.1": (2, "passed")}
     assert _row(rows, "good", "TOTAL")[:2] == (FULL, FULL)
-    assert "seed 42" in _report(root, "good")
+    # the report names the run's secret by its fingerprint, never the secret itself (learners read reports)
+    from lablib.course.grade import fingerprint
+
+    report = _report(root, "good")
+    assert f"fingerprint {fingerprint(bytes.fromhex('42' * 16))}" in report and "42" * 16 not in report
 
 
 def test_untouched_release_scores_zero_and_says_what_is_not_done(course):
@@ -356,6 +385,25 @@ def test_lablib_answers_and_library_collectives_are_refused_with_the_reason(cour
     root, _, rows, _ = course
     assert _row(rows, learner, task)[::2] == (0, "refused")
     assert reason in _report(root, learner)
+
+
+@pytest.mark.parametrize("learner, reason", [
+    ("past_rules", "grading refused torch.nn.parallel (00_welcome cell 2, line 3, in mean_across_ranks): it is not one of the "
+                   "names of torch.nn that exercises use"),
+    ("seed_search", "grading refused torch.Generator (00_welcome cell 2, line 3, in mean_across_ranks)"),
+    ("store", "grading refused torch.distributed.FileStore (00_welcome cell 2, line 3, in mean_across_ranks): it is not one of "
+              "the names of torch.distributed that exercises use (lablib/rules/allowed.py); data moves between ranks "
+              "through lablib's calls"),
+])
+def test_code_past_the_rules_that_read_the_text_is_refused_as_it_runs_naming_the_line(course, learner, reason):
+    """The guards (lablib/rules/guards.py) check each attribute on the object reached: a torch submodule under
+    another name, a random generator to replay the check's seed, a store that moves data no check counts.
+    Only the check each goes for scores 0; the learner's other, honest work scores in full."""
+    root, _, rows, _ = course
+    assert _row(rows, learner, "check-0.1")[::2] == (0, "failed")
+    assert _row(rows, learner, "check-1.1")[::2] == (1, "passed")
+    assert _row(rows, learner, "check-2.1")[::2] == (2, "passed")
+    assert reason in _report(root, learner), _report(root, learner)
 
 
 def test_a_submitted_solution_notebook_is_flagged_and_its_quiz_key_cell_does_not_run(course):
@@ -456,7 +504,7 @@ def test_a_hanging_check_is_stopped_and_the_others_still_count(course):
 
 def test_every_learner_is_graded_in_one_run_and_nothing_is_left_running(course):
     root, _, rows, _ = course
-    assert len({r["learner"] for r in rows}) == 37
+    assert len({r["learner"] for r in rows}) == 40
     assert [r["learner"] for r in rows] == sorted(r["learner"] for r in rows)  # graded two at a time, kept in order
     if os.environ.get("LABLIB_REQUIRE_SANDBOX"):
         assert "WITHOUT a sandbox" not in _report(root, "good")
@@ -591,7 +639,7 @@ def test_the_course_itself(tmp_path):
 
 def _grade_cli(root, *args):
     proc = subprocess.run([sys.executable, "-m", "lablib", "grade", *map(str, args), "--release", str(root / "release"),
-                           "--source", str(root / "source"), "--check-timeout", str(CHECK_TIMEOUT), "--seed", "42"],
+                           "--source", str(root / "source"), "--check-timeout", str(CHECK_TIMEOUT), "--secret", "42" * 16],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -694,7 +742,8 @@ def test_a_checks_data_keeps_tensors_of_every_shape_across_the_boxs_boundary():
 
 def test_exercise_code_starts_no_processes_while_graded(monkeypatch):
     """A rank pool of its own (lablib.cluster) or any process, from a cell in the box or a function on the
-    ranks, is refused with the reason: spinning ranks of one learner took CPU from the boxes beside it."""
+    ranks, is refused with the reason: spinning ranks of one learner took CPU from the boxes beside it. The
+    guards refuse the names first; the audit hook holds even for code compiled without them (on the ranks)."""
     cells = {"pool": "lablib.cluster(3)", "fork": "torch.multiprocessing.Process(target=print).start()"}
     request = {"nonce": "n", "check_timeout": 30, "labs": [{"lab": "x", "calls": [], "cells": [
         {"name": name, "source": source} for name, source in cells.items()]}]}
@@ -706,12 +755,12 @@ def test_exercise_code_starts_no_processes_while_graded(monkeypatch):
     with os.fdopen(back[0]) as results:
         errors = {r["cell"]: r["error"] for r in map(json.loads, results)}
     assert done.returncode == 0 and sorted(errors) == ["fork", "pool"], errors
-    assert errors["pool"].startswith("RuntimeError: grading: exercise code may not start processes "
-                                     "(lablib.cluster(3), from <module>())")
-    assert "grading: exercise code may not start processes (os." in errors["fork"], errors["fork"]
+    # in the box, the guards refuse both before any process starts, naming the line
+    assert errors["pool"].startswith("Refused: grading refused lablib.cluster (x pool, line 1, in <module>)")
+    assert errors["fork"].startswith("Refused: grading refused torch.multiprocessing (x fork, line 1"), errors["fork"]
 
     from lablib import Cluster, RankError
-    from lablib.checks.namespace import namespace
+    from lablib.rules.namespace import namespace
 
     monkeypatch.setenv("LABLIB_GRADING", "1")  # the ranks are started under grading; the harness may start them
     ns = namespace()
@@ -719,3 +768,39 @@ def test_exercise_code_starts_no_processes_while_graded(monkeypatch):
     with Cluster(2, timeout=10, quiet=True) as cluster:
         with pytest.raises(RankError, match="grading: exercise code may not start processes"):
             cluster.run(ns["spawn"])
+
+
+def _seeds(secret):
+    from lablib.course.exercises import check_calls
+
+    calls, _ = check_calls(_source(), None, secret)
+    return [c.seed for gid in sorted(calls) for c in calls[gid]]
+
+
+def test_each_calls_inputs_come_from_the_runs_128_bit_secret():
+    """A seed of 62 bits per call, keyed by the run's secret: the same secret gives the same inputs (a regrade),
+    another gives others, and no small seed is left to try until a rank's own data comes out."""
+    from lablib.course.grade import parse_secret
+
+    one, two = parse_secret("42" * 16), parse_secret(None)
+    assert len(two) == 16 and two != parse_secret(None)
+    seeds = _seeds(one)
+    assert seeds == _seeds(one) and len(set(seeds)) == len(seeds) == 3
+    assert all(1 << 50 < s < 1 << 62 for s in seeds) and not set(seeds) & set(_seeds(two))
+    for bad in ("42", "xyz" * 11, "42" * 17):
+        with pytest.raises(ValueError, match="--secret takes 32 hex digits"):
+            parse_secret(bad)
+
+
+def test_no_rank_holds_the_boxs_records_pipe():
+    """The executor's ranks fork from its fork server, which closes the pipe the executor writes its records to:
+    a rank holds no way to the box's supervisor, let alone to grade.py."""
+    code = ("import os\nr, w = os.pipe()\nos.close(r)\nos.environ['LABLIB_RECORDS_FD'] = str(w)\n"
+            "from lablib.pool import Cluster, zygote\nzygote.start_here()\n"
+            "def held(pipe):  # any open fd on that pipe (its number may be reused for another)\n"
+            "    return any(os.stat(f'/proc/self/fd/{fd}').st_ino == pipe for fd in os.listdir('/proc/self/fd')\n"
+            "               if os.path.exists(f'/proc/self/fd/{fd}'))\n"
+            "pipe = os.fstat(w).st_ino\n"
+            "with Cluster(2, quiet=True) as c:\n    print(held(pipe), c.run(held, pipe))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "[False,", "False]"], done.stdout + done.stderr

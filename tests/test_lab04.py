@@ -451,14 +451,14 @@ def test_the_link_model_of_the_tp_chart():
 ])
 def test_ways_around_the_traced_collectives_and_the_drawn_weights_are_refused(source, found):
     from lablib.checks.lab04 import FORBIDDEN
-    from lablib.checks.policy import problems
+    from lablib.rules.policy import problems
 
     assert any(found in p for p in problems(ast.parse(source), FORBIDDEN, {"M"})), problems(ast.parse(source), FORBIDDEN)
 
 
 def test_queries_and_autograd_functions_are_allowed():
     from lablib.checks.lab04 import FORBIDDEN
-    from lablib.checks.policy import problems
+    from lablib.rules.policy import problems
 
     ok = ("class Copy(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, x):\n        return x\n"
           "def f(x):\n    return x.new_empty((x.shape[0] * dist.get_world_size(), dist.get_rank()))")

@@ -534,7 +534,7 @@ def test_yours_uses_a_learners_functions_only_once_their_check_passed(capsys):
 ])
 def test_ways_around_the_traced_messages_are_refused(source, found):
     from lablib.checks.lab05 import FORBIDDEN
-    from lablib.checks.policy import problems
+    from lablib.rules.policy import problems
 
     assert any(found in p for p in problems(ast.parse(source), FORBIDDEN)), problems(ast.parse(source), FORBIDDEN)
 
@@ -602,7 +602,7 @@ def test_gpipe_is_all_forwards_then_all_backwards_and_hidden_validators_meet_int
 
 
 def test_exercise_code_can_make_tensors_in_a_fresh_grading_namespace():
-    code = ("from lablib.course.runner import namespace\nns = namespace()\n"
+    code = ("from lablib.rules.namespace import namespace\nns = namespace()\n"
             "exec(compile('x = torch.tensor([1, 2]).sum().item()', 'cell', 'exec'), ns)\nprint(ns['x'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr
@@ -617,7 +617,7 @@ def test_exercise_code_can_make_tensors_in_a_fresh_grading_namespace():
 ])
 def test_files_stay_out_of_reach_of_exercise_code(source):
     from lablib.checks.lab05 import FORBIDDEN
-    from lablib.checks.policy import problems
+    from lablib.rules.policy import problems
 
     assert problems(ast.parse(source), FORBIDDEN), source
 

@@ -1,4 +1,4 @@
-"""The exercise rules (lablib/checks/policy.py) and how grading applies them (course/exercises.py): what a
+"""The exercise rules (lablib/rules/policy.py) and how grading applies them (course/exercises.py): what a
 learner may write passes, what reaches for the answers is refused with the reason. No processes here."""
 import ast
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lablib.checks.lab02 import check_ring_blocking
-from lablib.checks.policy import COLLECTIVES, function_problems, problems, reachable_problems
+from lablib.rules.policy import COLLECTIVES, function_problems, problems, reachable_problems
 from lablib.course.exercises import Call, exercise_code, refusal
 
 
@@ -159,19 +159,19 @@ def test_modules_stay_where_the_rules_can_see_them(source, found):
     ("def f():\n    open = 1\n    return open", "binds the name open"),
 ])
 def test_ways_to_the_real_builtins_are_refused(source, found):
-    from lablib.checks.policy import problems
+    from lablib.rules.policy import problems
 
     assert any(found in p for p in problems(ast.parse(source), {})), problems(ast.parse(source), {})
 
 
 def test_harmless_builtin_names_may_be_parameters():
-    from lablib.checks.policy import problems
+    from lablib.rules.policy import problems
 
     assert problems(ast.parse("def ring(output, input, bytes=0, id=None):\n    return input"), {}) == []
 
 
 def test_the_boxs_import_guard_lets_through_only_the_listed_modules_and_torchs_own_storage():
-    from lablib.course.runner import namespace
+    from lablib.rules.namespace import namespace
 
     ns = namespace()
     guard = ns["__builtins__"]["__import__"]

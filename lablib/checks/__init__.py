@@ -170,7 +170,7 @@ def vet(task: str, params: tuple, fns: tuple, forbidden: Mapping[str, str]) -> N
     """Refuse what is not the learner's own code: None, something that is not a function, lablib's own
     functions (``ring_all_reduce = collectives.ring_all_reduce``), and code the rules forbid."""
     __tracebackhide__ = True
-    from .policy import reachable_problems
+    from ..rules.policy import reachable_problems
 
     for name, fn in zip(params, fns):
         if fn is None:

@@ -8,8 +8,9 @@ import torch
 
 from ..comm import ring_steps
 from ..pool.failures import NCCL_RULES
+from ..toy import generator
 from . import Check, CheckFailed, run_on_ranks
-from .policy import COLLECTIVES
+from ..rules.policy import COLLECTIVES
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bfloat16": torch.bfloat16}
 
@@ -28,7 +29,7 @@ _TORCH_NAME = {"all_gather": "dist.all_gather_into_tensor", "reduce_scatter": "d
 
 def ring_input(op: str, n: int, rank: int, dtype: str, chunk: int, seed=None) -> torch.Tensor:
     """Rank ``rank``'s input in one case (the same on the ranks and in the judge)."""
-    g = torch.Generator().manual_seed(100 * rank + chunk + (seed or 0))
+    g = generator(100 * rank + chunk + (seed or 0))
     numel = chunk if op == "all_gather" else chunk * n - (1 if op == "all_reduce" and n > 1 else 0)
     return (torch.randn(numel, generator=g) * 8).to(_DTYPES[dtype])  # all-reduce: a size n does not divide
 

@@ -10,6 +10,7 @@ import random
 import torch
 
 from ..strategies import experts as ep
+from ..toy import generator
 from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks, whose
 from .lab07_layer import (A2A_HINTS, FORBIDDEN, LAYER_HINTS, TOL, bytes_to, inputs, judge_ranks, layer_job,
                           name_output_mistake, shape)
@@ -140,7 +141,7 @@ _FACTORS = (None, 1.0, 1.25)
 def _routing(seed, tokens: int, experts: int, k: int, skew: float) -> tuple:
     """(probs, experts, gates) of a made-up router: each token's k distinct experts drawn from its
     probabilities, which ``skew`` tilts toward expert 0; gates those experts' probabilities."""
-    g = torch.Generator().manual_seed(17 + (seed or 0) * 7 + experts * 3 + k)
+    g = generator(17 + (seed or 0) * 7 + experts * 3 + k)
     logits = torch.randn(tokens, experts, generator=g)
     logits[:, 0] += skew
     probs = torch.softmax(logits, -1)

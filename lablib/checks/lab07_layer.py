@@ -8,6 +8,7 @@ import random
 import torch
 
 from ..strategies import experts as ep
+from ..toy import generator
 from . import CheckFailed, answers, max_error
 
 TOL = 1e-5
@@ -34,7 +35,7 @@ def inputs(seed, world_size: int, rank: int, skew: float = 0.0) -> tuple:
     s = shape(seed, world_size)
     router, w1, w2 = ep.layer(s["dim"], s["hidden"], s["experts"], seed=seed or 0)
     x = ep.tokens(s["tokens"], s["dim"], router, seed=rank + 100 * (seed or 0), skew=skew)
-    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank + 100 * (seed or 0)))
+    g = torch.randn(x.shape, generator=generator(7 + rank + 100 * (seed or 0)))
     return x, router, w1, w2, g
 
 

@@ -6,19 +6,22 @@
   when grading. Each function a check takes is read against policy.py before anything runs.
 - Check calls: each graded cell of the release (and, with the source, its hidden checks) is read as
   calls like ``check_zero1(zero1_step, cluster)``; ``cluster`` means the check's own world sizes.
-  Every call gets inputs drawn from the grading run's seed (visible calls too: the notebook's own
-  weights are known, so code could replay them instead of computing).
+  Every call gets inputs drawn from a seed of its own, derived from the grading run's 128-bit secret
+  (visible calls too: the notebook's own weights are known, so code could replay them instead of computing;
+  and a seed of 62 bits that nothing in the box holds cannot be found by trying seeds until a rank's own
+  data comes out).
 """
 from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib
 import io
 from dataclasses import dataclass, field
 
 from ..checks import Check
-from ..checks.policy import GLOBALS, SAFE_BUILTINS, module_aliases, problems, top_names
+from ..rules.policy import GLOBALS, SAFE_BUILTINS, module_aliases, problems, top_names
 from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
 
 
@@ -307,7 +310,14 @@ def _literal(node):
         return None
 
 
-def check_calls(release_nb, source_nb=None, seed: int = 0) -> tuple[dict[str, list[Call]], dict[str, float]]:
+def call_seed(secret: bytes, call_id: str) -> int:
+    """The seed of one check call's inputs: 62 bits of a keyed hash of its id under the run's secret (62, so
+    that the checks' own offsets, ``11 + seed``, stay within a torch generator's 64)."""
+    digest = hashlib.blake2b(call_id.encode(), key=secret, digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
+
+
+def check_calls(release_nb, source_nb=None, secret: bytes = bytes(16)) -> tuple[dict[str, list[Call]], dict[str, float]]:
     """({grade_id: [Call, ...]}, {grade_id: points}) from a trusted release (and its source's hidden
     checks). Raises ValueError when a graded cell holds no check call it can read."""
     from .release import _strip_regions
@@ -339,8 +349,8 @@ def check_calls(release_nb, source_nb=None, seed: int = 0) -> tuple[dict[str, li
                     args = args[:-1]
                 keywords = {k.arg: _literal(k.value) for k in node.value.keywords}
                 for size in spec.sizes(None, keywords.get("world_size")):
-                    call_seed = seed * 1000 + len(out)  # every call, visible ones too: weights no code can replay
-                    out.append(Call(f"{gid}#{len(out)}", gid, module, name, tuple(args), size, call_seed, hidden))
+                    cid = f"{gid}#{len(out)}"  # every call, visible ones too: weights no code can replay
+                    out.append(Call(cid, gid, module, name, tuple(args), size, call_seed(secret, cid), hidden))
         if not out:
             raise ValueError(f"graded cell {gid} holds no check call lablib can read (like check_x(fn, cluster))")
         calls[gid] = out

@@ -4,7 +4,7 @@ and docs/instructors.md.
 
 Per learner: every notebook is read as data (never run whole). exercises.py takes the exercise code and
 the check calls of the instructor's release (plus the hidden ones of the source), refuses code that
-breaks the rules, and runner.py, inside the box (sandbox.py), runs the rest: the learner's definitions
+breaks the rules, and executor.py, inside the box (sandbox.py) under its supervisor runner.py, runs the rest: the learner's definitions
 and each check's ``collect``. Here each check's ``judge`` reads the plain data (plain.py) and computes
 its own reference. Quizzes are scored from the answers file with the instructor's banks. A submission
 that cannot be read is graded "invalid: reason", and grading goes on with the next learner.
@@ -12,6 +12,7 @@ that cannot be read is graded "invalid: reason", and grading goes on with the ne
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -102,20 +103,38 @@ def read_answers(folder: Path) -> tuple[dict, str]:
 # -- grading -----------------------------------------------------------------------------------------
 @dataclass
 class Course:
-    """What every learner is graded against: trusted notebooks, check calls, banks, the run's seed."""
+    """What every learner is graded against: trusted notebooks, check calls, banks, the run's secret."""
     releases: dict
     calls: dict            # notebook name -> {grade_id: [Call]}
     points: dict           # notebook name -> {grade_id: points}
     solutions: dict        # notebook name -> {function name: its solution's code}, those the stub does not dictate
     banks: dict
-    seed: int
+    secret: bytes          # 128 bits the checks' inputs are drawn from (exercises.call_seed)
     check_timeout: float
     time_limit: float
     cpus: float | None = None  # each box's CPU share, in cores (graded beside others), or the whole machine
 
 
+def parse_secret(secret: str | bytes | None) -> bytes:
+    """The run's secret: 16 bytes, from 32 hex digits (``--secret``, to grade again on the same inputs), or drawn
+    at random."""
+    if secret is None:
+        return secrets.token_bytes(16)
+    if isinstance(secret, bytes) and len(secret) == 16:
+        return secret
+    text = str(secret).strip().lower()
+    if len(text) != 32 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"--secret takes 32 hex digits (128 bits), got {text[:40]!r}; leave it out to draw one")
+    return bytes.fromhex(text)
+
+
+def fingerprint(secret: bytes) -> str:
+    """Names a run's secret in reports (which learners may read) without giving it away."""
+    return hashlib.sha256(secret).hexdigest()[:12]
+
+
 def grade(submissions, release_dir, out, source_dir=None, check_timeout: float = CHECK_TIMEOUT,
-          time_limit: float = TIME_LIMIT, seed: int | None = None, banks_dir=None, jobs: int = 1,
+          time_limit: float = TIME_LIMIT, secret: str | bytes | None = None, banks_dir=None, jobs: int = 1,
           shard: tuple[int, int] = (1, 1), only: str | None = None) -> list[LabResult]:
     """Grade every learner folder in ``submissions``; write the gradebook CSV ``out`` (after each learner,
     atomically) and a report per learner in ``reports_dir(out)``. Returns the results, in learner order.
@@ -149,11 +168,11 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
             raise FileNotFoundError(f"{submissions / only}: no such learner folder")
         keep = [r for r in read_rows(out) if r["learner"] != only] if out.exists() else []
     sources = {name: read_notebook(Path(source_dir) / name) for name in releases} if source_dir else {}
-    seed = secrets.randbelow(10 ** 6) if seed is None else seed
-    course = Course(releases, {}, {}, {}, load_all(Path(banks_dir) if banks_dir else default_dir()), seed,
+    secret = parse_secret(secret)
+    course = Course(releases, {}, {}, {}, load_all(Path(banks_dir) if banks_dir else default_dir()), secret,
                     check_timeout, time_limit, max(1.0, (os.cpu_count() or 1) / jobs) if jobs > 1 else None)
     for name, nb in releases.items():
-        course.calls[name], course.points[name] = check_calls(nb, sources.get(name), seed)
+        course.calls[name], course.points[name] = check_calls(nb, sources.get(name), secret)
         # the solutions a copy of which is flagged: not those the stub dictates
         free = dictated(sources[name]) if name in sources else set()
         course.solutions[name] = {f: code for f, code in solutions(sources[name]).items() if f not in free} \
@@ -178,7 +197,7 @@ def grade(submissions, release_dir, out, source_dir=None, check_timeout: float =
                 again.append(folder)
             return
         try:
-            write_report(labs, reports_dir(out), course.seed)
+            write_report(labs, reports_dir(out), fingerprint(course.secret))
         except Exception as exc:  # noqa: BLE001
             labs[0].flags.append(f"report: not written ({type(exc).__name__}: {exc})")
         with lock:  # the gradebook holds every learner graded so far, in learner order

@@ -180,8 +180,9 @@ def report_name(learner: str) -> str:
     return clean(learner).replace("/", "_") + ".md"
 
 
-def write_report(labs: list[LabResult], folder: Path, seed: int):
-    lines = [f"# {labs[0].learner}".replace("\n", "\\n"), "", f"Checks drew their inputs from seed {seed}.", ""]
+def write_report(labs: list[LabResult], folder: Path, secret: str):
+    lines = [f"# {labs[0].learner}".replace("\n", "\\n"), "", f"Checks drew their inputs from the run's secret "
+             f"(fingerprint {secret}).", ""]
     for lab in labs:
         lines += [f"## {lab.lab}: {lab.points:g} / {lab.max_points:g} points", ""]
         for note in lab.notes:

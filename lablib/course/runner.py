@@ -1,132 +1,55 @@
-"""Inside the grading box: run a learner's exercise code and the checks' ``collect`` step, write plain data.
+"""The grading box's supervisor: the one process in the box that holds the run's nonce and the pipe to grade.py.
 
     python -m lablib.course.runner < REQUEST      (results to the pipe whose fd is in LABLIB_RESULTS_FD)
 
-The request (JSON, from grade.py on standard input, which is then closed: what checks are given is left
-nowhere for exercise code to read) lists per lab the exercise cells' sources and the check calls; each
-call's outcome goes back over the pipe as one JSON line as soon as it is known, so what was collected
-before a time limit or a crash is kept. Nothing here judges: grade.py reads the lines outside the box.
+It reads the request (JSON, from grade.py on standard input), keeps the nonce, and starts the executor
+(executor.py: the learner's exercise code and the checks' collect step, and the ranks they start) as a new
+process, handing it the rest of the request and a pipe of its own. Each line the executor writes is passed on
+to grade.py under the nonce if it is a record of a call asked for (once each), or of a cell's error; nothing
+else gets through. No exercise code runs here, and none can address this process: the executor is a fresh
+program, not a fork, and holds neither the nonce nor this pipe. Nothing here judges: grade.py does, outside.
 """
 from __future__ import annotations
 
-import importlib
 import json
-import linecache
 import os
-import resource
-import signal
+import subprocess
 import sys
-import threading
-import traceback
-
-from ..checks.namespace import namespace
-
-MAX_FILE = 256 << 20  # bytes of any file the box writes (results are a few MB)
-
-
-class Deadline:
-    """Presses the stop button (SIGINT to this process) when a check runs past ``seconds``."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.fired = seconds, False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-
-    def _fire(self):
-        self.fired = True
-        os.kill(os.getpid(), signal.SIGINT)
-
-    def __enter__(self):
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._timer.cancel()
 
 
 def main() -> int:
-    from ..checks import CheckFailed, vet
-    from ..checks.namespace import guard_processes
-    from ..pool import Cluster, zygote
-    from .plain import NotPlain, dumps, loads
-
-    zygote.start_here()  # one thread, no torch op yet: the ranks fork from a copy of this process
-    guard_processes()  # exercise code starts no process, here or on the ranks (which set the same hook)
-    # A check's time limit is SIGINT (Deadline): a grader started with SIGINT ignored (`nohup lablib grade
-    # ... &`) passes that on, and a check looping in this process would then run to the box's time limit.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
     request = json.loads(sys.stdin.buffer.read())
-    # what a check is given (lablib's schedules, say) is not left for exercise code to find
-    sys.stdin.close()
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    # No file written here grows past what results need (where the box has no tmpfs of its own, its folder is
-    # on the grader's disk).
-    resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE, MAX_FILE))
-    nonce, limit = request["nonce"], float(request["check_timeout"])
+    nonce = request.pop("nonce")
     out = os.fdopen(int(os.environ.pop("LABLIB_RESULTS_FD")), "w", encoding="utf-8")
-    # Out of the box's writable folder, which is the ranks' working directory and on their import path.
-    os.chdir("/")
-
-    def emit(**record):
-        out.write(json.dumps({"nonce": nonce, **record}) + "\n")
-        out.flush()
-
-    pools: dict[int, Cluster] = {}
+    wanted = {call["id"] for lab in request["labs"] for call in lab["calls"]}
+    cells = {(lab["lab"], cell["name"]) for lab in request["labs"] for cell in lab["cells"]}
+    read, write = os.pipe()
+    executor = subprocess.Popen([sys.executable, "-m", "lablib.course.executor"], stdin=subprocess.PIPE,
+                                pass_fds=(write,), env={**os.environ, "LABLIB_RECORDS_FD": str(write)})
+    os.close(write)
     try:
-        for lab in request["labs"]:
-            ns = namespace()
-            for cell in lab["cells"]:
-                filename = f"<{lab['lab']} {cell['name']}>"
-                # inspect can read it back, so each check's rules apply here too (checks.vet)
-                linecache.cache[filename] = (len(cell["source"]), None, cell["source"].splitlines(True), filename)
-                try:
-                    exec(compile(cell["source"], filename, "exec"), ns)
-                except BaseException as exc:  # noqa: BLE001 - a learner's cell may raise anything
-                    emit(lab=lab["lab"], cell=cell["name"],
-                         error=f"{type(exc).__name__}: {exc}".strip()[:2000])
-            failed = set()  # graded cells with a failed call: their later calls need not run
-            for call in lab["calls"]:
-                if call["group"] in failed:
-                    continue
-                check = getattr(importlib.import_module(f"lablib.checks.{call['module']}"), call["check"])
-                fns = tuple(ns.get(name) for name in call["params"])
-                size, seed = call["world_size"], call["seed"]
-                try:
-                    vet(check.task, check.params, fns, check.forbidden)
-                    pool = None
-                    if size is not None:
-                        if size not in pools:
-                            pools[size] = Cluster(size, timeout=min(30.0, limit), quiet=True)
-                        pool = pools[size]
-                    with Deadline(limit) as deadline:
-                        try:
-                            given = () if call.get("given") is None else (loads(call["given"]),)
-                            data = check.collect(fns, pool, seed, *given)
-                        except KeyboardInterrupt:
-                            if not deadline.fired:
-                                raise
-                            raise CheckFailed(f"{check.task}: stopped after {limit:g} s (the time limit of one "
-                                              "check). Does a loop never end, or a rank wait for a message "
-                                              "nobody sends?") from None
-                    emit(id=call["id"], data=dumps(data))
-                    continue
-                except CheckFailed as exc:
-                    emit(id=call["id"], error=str(exc)[:4000])
-                except NotPlain as exc:
-                    emit(id=call["id"], error=f"{check.task}: your function returned {exc}; return tensors, "
-                                              "numbers and lists of them.")
-                except Exception as exc:  # noqa: BLE001
-                    emit(id=call["id"], error=f"{check.task}: {type(exc).__name__}: {exc}"[:4000])
-                failed.add(call["group"])
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        for pool in pools.values():
-            pool.close()
-        out.close()
-    return 0
+        executor.stdin.write(json.dumps(request).encode())
+        executor.stdin.close()
+    except BrokenPipeError:
+        pass
+    with os.fdopen(read, encoding="utf-8", errors="replace") as records, out:
+        for line in records:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("id") in wanted:
+                wanted.discard(record["id"])
+            elif (record.get("lab"), record.get("cell")) in cells and "id" not in record:
+                cells.discard((record["lab"], record["cell"]))
+            else:
+                continue
+            out.write(json.dumps({**record, "nonce": nonce}) + "\n")
+            out.flush()
+    code = executor.wait()
+    return code if code >= 0 else 128 - code  # as a shell reports a signal
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ class Cluster:
     def __init__(self, world_size: int = 2, backend: str = "auto", timeout: float = 10.0, *,
                  threads: int | None = None, debug: bool = False, job_limit: float | None = None,
                  quiet: bool = False, device: str = "auto"):
-        from ..checks.namespace import refuse_from_exercise
+        from ..rules.namespace import refuse_from_exercise
 
         refuse_from_exercise(f"lablib.cluster({world_size})")
         self.backend = resolve_backend(backend, world_size, device)

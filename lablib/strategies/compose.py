@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, p2p
+from ..toy import generator
 from ..timeline import _now, span
 
 AXES = ("pp", "dp", "tp")
@@ -90,7 +91,7 @@ def model(width: int, hidden: int, layers: int, seed: int = 0) -> list[list[torc
 
 def batch(rows: int, width: int, step: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch (rows, width) and its targets: the same on every rank."""
-    g = torch.Generator().manual_seed(1000 * seed + step)
+    g = generator(1000 * seed + step)
     return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
 
 
@@ -131,6 +132,18 @@ def shard(blocks, rank: int, shape) -> list[list[torch.Tensor]]:
 
 
 # -- lablib's part on one rank -----------------------------------------------------------------------------
+class _Kept:
+    """What a kit's stages kept for their backwards: the bytes of each micro-batch's forward, in order, and the
+    most held at once."""
+
+    def __init__(self):
+        self.bytes: list[int] = []
+        self.peak = 0
+
+
+_KEPT: dict[int, _Kept] = {}  # id(kit) -> what its stages kept, until step_job takes it
+
+
 class Kit:
     """What lablib gives the learner's step on one rank:
     ``blocks``: this rank's stage's blocks, each [w1, b1, w2, b2], its tensor-parallel shards (leaves whose
@@ -138,13 +151,14 @@ class Kit:
     ``tp_mlp(h, w1, b1, w2, b2, group)``: lab 04's MLP split over ``group`` (fc1 by columns, fc2 by rows, f and g),
       refusing a group that reaches into another pipeline stage (whose ranks are not running this block: a hang);
     ``pipeline(forward, batches, loss, group)``: lab 05's executor, 1F1B over ``group``; see its docstring;
-    ``params()``: every tensor of ``blocks``."""
+    ``params()``: every tensor of ``blocks``.
+    What its stages kept for their backwards is lablib's evidence, held in ``_KEPT`` (never on the kit, which
+    the learner's step is handed)."""
 
     def __init__(self, blocks, pp_ranks: list[int], stage_ranks: list[int], checkpointed=None):
         self.blocks, self._stage = blocks, stage_ranks
         self._pp, self._checkpointed = pp_ranks, checkpointed
-        self.kept: list[int] = []   # bytes each micro-batch's forward kept for its backward, in order
-        self.peak = 0               # activation bytes held at most at once
+        _KEPT[id(self)] = _Kept()
 
     def params(self) -> list[torch.Tensor]:
         return [t for b in self.blocks for t in b]
@@ -217,9 +231,10 @@ class _Stage:
                 self.losses[mb] = out.detach()
         kept = sum(seen.values())
         self.held[mb] = (x, out, kept)
-        self.kit.kept.append(kept)
+        record = _KEPT[id(self.kit)]
+        record.bytes.append(kept)
         self.live += kept
-        self.kit.peak = max(self.kit.peak, self.live)
+        record.peak = max(record.peak, self.live)
         return None if self.last else out.detach()
 
     def backward(self, mb, grad=None, weights=True):
@@ -271,7 +286,8 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
                 if t.grad is not None:
                     t -= LR * t.grad
                 t.grad = None
-    return {"losses": losses, "grads": grads, "ops": ops, "kept": kit.kept[:s["micro_batches"]], "peak": kit.peak,
+    kept = _KEPT.pop(id(kit))
+    return {"losses": losses, "grads": grads, "ops": ops, "kept": kept.bytes[:s["micro_batches"]], "peak": kept.peak,
             "states": states, "seconds": seconds}
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import comm
 from ..timeline import _now, span
-from ..toy import seeded
+from ..toy import generator, seeded
 
 
 class Block(nn.Module):
@@ -39,7 +39,7 @@ def model(width: int = 32, layers: int = 8, seed: int = 0) -> nn.Sequential:
 
 def data(width: int, rows: int, m: int, seed: int = 0):
     """The batch (rows × width) and its targets, cut into m micro-batches."""
-    g = torch.Generator().manual_seed(11 + 1_000_003 * seed)
+    g = generator(11 + 1_000_003 * seed)
     x, y = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
     return list(x.chunk(m)), list(y.chunk(m))
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import to_device
-from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward, seeded
+from ..toy import FFN, HEADS, WIDTH, Attention, FeedForward, generator, seeded
 from .prefetch import start_recording, step_times
 from .tensor_parallel import WIDE, Fns, _rank, block_job, leaves, wide_block
 
@@ -30,7 +30,7 @@ def layers(seed: int = 0):
 
 
 def inputs(seed: int, *shape):
-    g = torch.Generator().manual_seed(7 + 1_000_003 * seed)
+    g = generator(7 + 1_000_003 * seed)
     return torch.randn(shape, generator=g), torch.randn(shape[:-1] + (FFN,), generator=g), torch.randn(shape, generator=g)
 
 

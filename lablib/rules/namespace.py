@@ -2,7 +2,8 @@
 
 ``lablib grade`` and ``python -m lablib.run`` execute the learner's exercise cells in ``namespace()``
 (module name ``__exercise__``): torch, dist, F, math, lablib, and only the plain builtins (policy.py's
-SAFE_BUILTINS) with an ``__import__`` that takes only the modules exercises may import. A function
+SAFE_BUILTINS) with an ``__import__`` that takes only the modules exercises may import, and the hooks that
+code compiled with the guards calls (guards.py: grading compiles it so). A function
 shipped to a rank is rebuilt there by cloudpickle with the rank's real builtins; ``restrict`` gives the
 exercise functions in a job the same restricted ones again, so the rules hold on the ranks too.
 """
@@ -15,24 +16,14 @@ import os
 import sys
 import types
 
-from .policy import MODULES, SAFE_BUILTINS
-
-NAME = "__exercise__"
-# torch's C code imports its own modules through the calling frame's __import__, this one: torch.storage
-# on a process's first torch.tensor(...).
-_TORCH_OWN = {"torch.storage"}
-
-
-def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
-    if level or (name not in MODULES and name not in _TORCH_OWN):
-        raise ImportError(f"exercise code may import only {', '.join(sorted(MODULES))}, not {name}")
-    return __import__(name, globals, locals, fromlist, level)
+from .guards import GUARDS, NAME
+from .policy import SAFE_BUILTINS
 
 
 @functools.cache
 def _builtins() -> types.MappingProxyType:
     safe = {name: getattr(builtins, name) for name in SAFE_BUILTINS if hasattr(builtins, name)}
-    safe.update(__import__=_guarded_import, __build_class__=builtins.__build_class__)
+    safe.update(GUARDS, __build_class__=builtins.__build_class__)  # guarded code's hooks, __import__, hasattr
     return types.MappingProxyType(safe)
 
 
@@ -51,44 +42,22 @@ def namespace() -> dict:
     import lablib
 
     return {"__name__": NAME, "__builtins__": exercise_builtins(), "torch": torch, "dist": dist, "F": F,
-            "math": math, "lablib": lablib}
+            "math": math, "lablib": lablib, **GUARDS}
 
 
-def restrict(obj) -> None:
-    """Give every exercise function reachable from ``obj`` (a job's function and arguments: in lists,
-    tuples, dicts, closures, defaults, partials, bound methods and the learner's classes) the exercise
-    builtins instead of this process's."""
-    todo, seen, spaces = [obj], set(), {}
-    while todo:
-        item = todo.pop()
-        if id(item) in seen or isinstance(item, (str, bytes, int, float, bool, type(None))):
-            continue
-        seen.add(id(item))
-        if isinstance(item, (list, tuple, set, frozenset)):
-            todo += item
-        elif isinstance(item, dict):
-            todo += item.values()
-        elif isinstance(item, (staticmethod, classmethod, types.MethodType)):
-            todo.append(item.__func__)
-        elif isinstance(item, functools.partial):
-            todo += [item.func, *item.args, *item.keywords.values()]
-        elif isinstance(item, types.FunctionType):
-            if item.__module__ == NAME:
-                spaces[id(item.__globals__)] = item.__globals__
-                todo += item.__globals__.values()  # its helpers and classes
-            todo += [c.cell_contents for c in item.__closure__ or () if _filled(c)] + list(item.__defaults__ or ())
-        elif isinstance(item, type) and item.__module__ == NAME:
-            todo += vars(item).values()
-    for space in spaces.values():
-        space["__builtins__"] = exercise_builtins()
+def _make_function(code, globals, name, argdefs, closure):
+    """cloudpickle's ``_make_function``, giving an exercise function the exercise builtins."""
+    globals["__builtins__"] = exercise_builtins() if globals.get("__name__") == NAME else builtins.__dict__
+    return types.FunctionType(code, globals, name, argdefs, closure)
 
 
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+def rebuild_with_exercise_builtins() -> None:
+    """From now on in this process (a rank under grading), every exercise function cloudpickle rebuilds gets the
+    exercise builtins. A function's builtins are fixed when it is made (CPython 3.10+), so they must be given
+    then: setting its globals' ``__builtins__`` afterwards changes nothing."""
+    import cloudpickle.cloudpickle as cp
+
+    cp._make_function = _make_function
 
 
 # -- no processes from exercise code while grading ------------------------------------------------------
