@@ -139,16 +139,17 @@ BIG = "\n".join(f"b{i} = {i}" for i in range(10000)) + "\ndef helper():\n    pas
 PAST_RULES = ("def mean_across_ranks(x):\n    nn = torch.nn\n    look = nn.parallel.distributed.inspect\n"
               "    seed = [look.getargvalues(f[0]).locals['seed'] for f in look.stack() if f.function == 'mean_job'][0]\n"
               "    g = torch.Generator().manual_seed(seed)\n"
-              "    return torch.stack([torch.randn(3 + seed % 7, generator=g) * 10 for r in range(2)]).mean(0)")
+              "    n = dist.get_world_size()\n"
+              "    return torch.stack([torch.randn(3 + seed % 7, generator=g) * 10 for r in range(n)]).mean(0)")
 # 2: the inputs rebuilt by trying seeds until this rank's own input comes out (the run's seed was small).
 SEED_SEARCH = ("def mean_across_ranks(x):\n    for seed in range(40000, 50000):\n"
                "        g = torch.Generator().manual_seed(seed)\n"
-               "        ins = [torch.randn(3 + seed % 7, generator=g) * 10 for r in range(2)]\n"
+               "        ins = [torch.randn(3 + seed % 7, generator=g) * 10 for r in range(dist.get_world_size())]\n"
                "        if ins[dist.get_rank()].shape == x.shape and torch.equal(ins[dist.get_rank()], x):\n"
                "            return torch.stack(ins).mean(0)\n    return x")
 # 3: the data moved through torch.distributed's store, which no rule named and no count sees.
 STORE = ("def mean_across_ranks(x):\n    rank, n = dist.get_rank(), dist.get_world_size()\n"
-         "    store = dist.FileStore('mean-store', n)\n"
+         "    store = dist.FileStore('/tmp/mean-store', n)\n"
          "    store.set(str(rank), ','.join(str(v) for v in x.tolist()))\n"
          "    rows = [[float(v) for v in store.get(str(r)).decode().split(',')] for r in range(n)]\n"
          "    return torch.tensor(rows, dtype=x.dtype).mean(0)")

@@ -11,19 +11,27 @@ from lablib.course.release import release
 from lablib.paths import SOURCES
 
 LAB = "08_composition"
-# 4a: no recomputation (checkpointed changes nothing), and the step rewrites what the stages kept
+# A checkpointed forward that keeps every activation, and in the backward runs the forward again only for the
+# collectives a recomputation issues (the judge counts them): the same gradients, the same messages, no saving.
+KEEPS_ALL = ("def again(forward, h, grad):\n    with torch.no_grad():\n        forward(h)\n    return grad\n\n\n"
+             "def checkpointed(forward):\n    def run(h):\n        out = forward(h)\n        held = h.detach()\n"
+             "        out.register_hook(lambda grad: again(forward, held, grad))\n        return out\n    return run\n")
+# 4a: and the step rewrites what the stages kept, a public list on the kit it is handed
 WRITES_EVIDENCE = {
-    "def checkpointed(": "def checkpointed(forward):\n    return forward\n",
+    "def checkpointed(": KEEPS_ALL,
     "def train_step(": "\nhonest_step = train_step\n\n\ndef train_step(kit, x, y, groups, micro_batches):\n"
                        "    loss = honest_step(kit, x, y, groups, micro_batches)\n    kit.kept.clear()\n"
                        "    kit.kept.extend([0] * micro_batches)\n    return loss\n",
 }
-# 4b: no recomputation; the learner's own saved-tensor hooks take the tensors lablib's hook would have counted
+# 4b: the learner's own saved-tensor hooks take the tensors that lablib's hook would have counted
 SHADOWS_HOOK = {
-    "def checkpointed(": "def keep(t):\n    return t\n\n\ndef checkpointed(forward):\n    def run(h):\n"
-                         "        with torch.autograd.graph.saved_tensors_hooks(keep, keep):\n"
-                         "            return forward(h)\n    return run\n",
+    "def checkpointed(": KEEPS_ALL.replace("def checkpointed(forward):\n    def run(h):\n        out = forward(h)\n",
+                                           "def keep(t):\n    return t\n\n\ndef checkpointed(forward):\n"
+                                           "    def run(h):\n        with torch.autograd.graph.saved_tensors_hooks("
+                                           "keep, keep):\n            out = forward(h)\n"),
 }
+# and the same checkpointed forward alone, its evidence left as lablib recorded it
+KEEPS_ALL_ONLY = {"def checkpointed(": KEEPS_ALL}
 
 
 def _learner(folder, changes: dict):
@@ -44,7 +52,8 @@ def graded(tmp_path_factory):
     (root / "source").mkdir()
     (root / "source" / f"{LAB}.ipynb").write_text((SOURCES / f"{LAB}.ipynb").read_text())
     release(root / "source", root / "release")
-    for name, changes in (("honest", {}), ("writes_evidence", WRITES_EVIDENCE), ("shadows_hook", SHADOWS_HOOK)):
+    for name, changes in (("honest", {}), ("writes_evidence", WRITES_EVIDENCE), ("shadows_hook", SHADOWS_HOOK),
+                          ("keeps_all", KEEPS_ALL_ONLY)):
         _learner(root / "subs" / name, changes)
     results = grade(root / "subs", root / "release", root / "gb.csv", root / "source", check_timeout=120,
                     time_limit=600, jobs=2)
@@ -64,6 +73,7 @@ def test_an_honest_recomputation_scores(graded):
 @pytest.mark.parametrize("learner, reason", [
     ("writes_evidence", "'Kit' object has no attribute 'kept'"),
     ("shadows_hook", "grading refused torch.autograd.graph"),
+    ("keeps_all", "recomputation keeps the stage's input only"),
 ])
 def test_evidence_out_of_the_learners_reach_scores_nothing_without_the_work(graded, learner, reason):
     item = _task_83(graded, learner)
