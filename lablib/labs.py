@@ -9,9 +9,9 @@ A lab is five files in known places, named from its line here:
 tests/test_layout.py holds every registered lab to this, and every notebook in sources/ to a line here.
 
 ``builds_on``: the earlier labs whose answers (lablib's) a lab's rank jobs run as its harness, as lab 08
-composes lab 04's tensor-parallel layer and lab 05's executor. The box that grades such a lab holds those
-answers and no other lab's (``course.grade``); the learner's own code of that lab is still refused any
-reach into lablib's answers (``rules.policy``).
+composes lab 04's tensor-parallel layer and lab 05's executor. The box that grades such a lab holds no answers
+file either: their text comes in its request, is made into modules of its executor only and reaches the ranks
+by value (``course.executor.load_harness``), and the learner's code cannot reach them (``rules.guards``).
 """
 from typing import NamedTuple
 

@@ -1,5 +1,5 @@
 """The grading box (``lablib grade``): what a learner's box sees (lablib and the virtual environment read-only,
-an answers folder that holds no lab's answers but those its lab builds on), how it runs (runner.py in
+an empty folder over lablib's answers; the answers a lab builds on come as text in the request), how it runs (runner.py in
 sandbox.py's box, writing into a tmpfs of its own, its request on stdin and its results back over a capped
 pipe), and what grade.py gets back: the records of the check calls it asked for, and a note on how it ended.
 """
@@ -18,27 +18,29 @@ from pathlib import Path
 from .limits import RESULTS_BYTES, SCRATCH_BYTES
 
 
-def answers_folder(held: tuple = ()) -> Path:
-    """A new folder to lay over ``lablib/answers`` in a box: empty, or holding read-only copies of the
-    answers modules ``held`` (e.g. ("lab04", "lab05")) and the package's ``__init__.py``."""
-    folder = Path(tempfile.mkdtemp(prefix="lablib-answers-"))  # outside work: the box cannot write into it
+def answers_folder() -> Path:
+    """A new empty folder to lay over ``lablib/answers`` in a box: no lab's answers are in it."""
+    return Path(tempfile.mkdtemp(prefix="lablib-answers-"))  # outside work: the box cannot write into it
+
+
+def harness(held: tuple) -> dict[str, str]:
+    """{module: its text} of the answers modules ``held`` (e.g. ("lab04", "lab05")): the harness a lab builds
+    on (``labs.builds_on``), handed to the box's executor as data (executor.load_harness), never as files."""
     source = Path(__file__).resolve().parents[1] / "answers"
-    for name in (("__init__",) + tuple(held)) if held else ():
-        shutil.copyfile(source / f"{name}.py", folder / f"{name}.py")
-        os.chmod(folder / f"{name}.py", 0o444)
-    return folder
+    return {name: (source / f"{name}.py").read_text() for name in held}
 
 
 def run_box(request: list, course, held: tuple = ()) -> tuple[dict, str]:
-    """Run the request in a box holding the answers modules ``held`` and no other, under ``course``'s limits
+    """Run the request in a box, the answers modules ``held`` given as data, under ``course``'s limits
     (``grade.Course``); ({call id: record}, a note on how the box ended or "")."""
     from . import sandbox
 
     work, notes = Path(tempfile.mkdtemp(prefix="lablib-grade-")), []
-    held_dir = answers_folder(held)
+    held_dir = answers_folder()
     try:
         nonce = secrets.token_hex(16)
-        given = json.dumps({"nonce": nonce, "check_timeout": course.check_timeout, "labs": request}).encode()
+        given = json.dumps({"nonce": nonce, "check_timeout": course.check_timeout, "labs": request,
+                            "harness": harness(held)}).encode()
         env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LABLIB_GRADING": "1"}
         # The box writes into a tmpfs of its own and hands its results back over a pipe: no learner's files
         # reach the disk that every box, and the gradebook, share.
@@ -84,8 +86,7 @@ def run_box(request: list, course, held: tuple = ()) -> tuple[dict, str]:
 def box_view(answers: Path) -> dict:
     """What a grading box sees besides its work dir (``sandbox.run``'s readonly and overlays): the virtual
     environment and lablib, read-only, with the folder ``answers`` over ``lablib/answers`` (``answers_folder``:
-    empty, so no lab's answers are in the box, or holding the answers a lab builds on); the checks' collect
-    steps get what else they need of them as data."""
+    empty, so no lab's answers are in the box); the checks' collect steps get what they need of them as data."""
     lablib_dir = Path(__file__).resolve().parents[1]
     return {"readonly": [Path(sys.prefix), lablib_dir], "overlays": {lablib_dir / "answers": answers}}
 

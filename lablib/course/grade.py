@@ -306,7 +306,7 @@ def judge(lab: LabResult, gid: str, calls, records: dict, name: str, points: flo
 
 def run_boxes(request: list, course: Course) -> tuple[dict, str]:
     """The request's labs in one box, but a lab that builds on earlier labs' answers (``labs.builds_on``)
-    in a box of its own holding those; ({call id: record}, the boxes' notes)."""
+    in a box of its own, given those as data; ({call id: record}, the boxes' notes)."""
     from ..labs import builds_on
 
     parts: dict[tuple, list] = {}

@@ -7,7 +7,8 @@ holds its pipeline stage's blocks, each block's MLP split over its tensor-parall
 (lab 05's executor, 1F1B). ``Kit`` is lablib's part on one rank; the learner's step wires it, each
 collective on its axis's group and the loss scaled for the global batch; ``step_job`` runs that step and
 returns what the checks judge, ``reference`` the single process it must equal. Lab 04's and lab 05's
-answers are this lab's harness (``labs.builds_on``): imported when a kit is made, never at the top.
+answers are this lab's harness (``labs.builds_on``): the kit is handed them (``harness``), never imports them at
+the top; in a grading box they come as data (course/executor.load_harness).
 """
 from __future__ import annotations
 
@@ -132,16 +133,17 @@ def shard(blocks, rank: int, shape) -> list[list[torch.Tensor]]:
 
 
 # -- lablib's part on one rank -----------------------------------------------------------------------------
-class _Kept:
-    """What a kit's stages kept for their backwards: the bytes of each micro-batch's forward, in order, and the
-    most held at once."""
+def default_harness() -> tuple:
+    """(lab 04's tp_mlp, lab 05's execute, lab 05's one_f_one_b): lablib's answers, what a kit runs."""
+    from ..answers.lab04 import tp_mlp
+    from ..answers.lab05 import execute, one_f_one_b
 
-    def __init__(self):
-        self.bytes: list[int] = []
-        self.peak = 0
+    return tp_mlp, execute, one_f_one_b
 
 
-_KEPT: dict[int, _Kept] = {}  # id(kit) -> what its stages kept, until step_job takes it
+# id(kit) -> what its stages kept for their backwards, until step_job takes it: {"bytes": each micro-batch's
+# forward's, in order; "peak": the most held at once}
+_KEPT: dict[int, dict] = {}
 
 
 class Kit:
@@ -155,10 +157,11 @@ class Kit:
     What its stages kept for their backwards is lablib's evidence, held in ``_KEPT`` (never on the kit, which
     the learner's step is handed)."""
 
-    def __init__(self, blocks, pp_ranks: list[int], stage_ranks: list[int], checkpointed=None):
+    def __init__(self, blocks, pp_ranks: list[int], stage_ranks: list[int], checkpointed=None, harness=None):
         self.blocks, self._stage = blocks, stage_ranks
         self._pp, self._checkpointed = pp_ranks, checkpointed
-        _KEPT[id(self)] = _Kept()
+        self._tp_mlp, self._execute, self._one_f_one_b = harness or default_harness()
+        _KEPT[id(self)] = {"bytes": [], "peak": 0}
 
     def params(self) -> list[torch.Tensor]:
         return [t for b in self.blocks for t in b]
@@ -166,15 +169,13 @@ class Kit:
     def tp_mlp(self, h, w1, b1, w2, b2, group=None):
         import torch.distributed as dist
 
-        from ..answers.lab04 import tp_mlp
-
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         if not set(ranks) <= set(self._stage):
             raise ValueError(f"kit.tp_mlp got the group of ranks {ranks}, which reaches into another pipeline stage "
                              f"(this stage's ranks are {self._stage}): those ranks are not running this block, so "
                              "its all-reduce would wait for them forever. A block's shards are on its tensor-parallel "
                              "ranks: pass groups['tp']")
-        return tp_mlp(h, w1, b1, w2, b2, group)
+        return self._tp_mlp(h, w1, b1, w2, b2, group)
 
     def pipeline(self, forward, batches, loss, group) -> torch.Tensor:
         """Run ``batches`` [(x, y), one per micro-batch] through the stages of the pipeline group ``group``,
@@ -182,8 +183,6 @@ class Kit:
         last stage. The gradients accumulate in ``.grad`` of the blocks. Returns the sum of the micro-batches'
         losses, on every rank of the group (the last stage sends it back)."""
         import torch.distributed as dist
-
-        from ..answers.lab05 import execute, one_f_one_b
 
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         if ranks != self._pp:
@@ -194,7 +193,7 @@ class Kit:
             forward = self._checkpointed(forward)
         stage = _Stage(s, n, forward, loss, list(batches), self)
         p2p.prepare(group)  # under NCCL the group's first batch_isend_irecv needs all of it: made here
-        execute({s: stage}, one_f_one_b(n, len(stage.batches))[s], group)
+        self._execute({s: stage}, self._one_f_one_b(n, len(stage.batches))[s], group)
         total = sum(stage.losses.values()) if stage.last else torch.zeros((), device=batches[0][0].device)
         total = total.detach().reshape(1).clone()
         comm.broadcast(total, ranks[-1], group=group, name="loss to every stage")
@@ -232,9 +231,9 @@ class _Stage:
         kept = sum(seen.values())
         self.held[mb] = (x, out, kept)
         record = _KEPT[id(self.kit)]
-        record.bytes.append(kept)
+        record["bytes"].append(kept)
         self.live += kept
-        record.peak = max(record.peak, self.live)
+        record["peak"] = max(record["peak"], self.live)
         return None if self.last else out.detach()
 
     def backward(self, mb, grad=None, weights=True):
@@ -247,10 +246,11 @@ class _Stage:
 
 # -- the learner's step on the ranks -----------------------------------------------------------------------
 def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size: dict | None = None,
-             link=None) -> dict:
+             link=None, harness=None) -> dict:
     """On each rank of a mesh of sizes ``shape``: ``steps`` steps of ``train_step(kit, x, y, groups,
     micro_batches)`` on the global batches, SGD between them, the last on the timeline; ``link``: collectives
-    over a simulated link. Returns each step's loss as the step returned
+    over a simulated link; ``harness``: what the kit runs of labs 04 and 05 (``default_harness()``). Returns each
+    step's loss as the step returned
     it, the first step's gradients of this rank's shards, the collectives it issued ("op bytes on ranks"),
     the bytes each micro-batch's forward kept and the most held at once, the bytes of weights and gradients the
     rank held after the first step, and each step's seconds on the timeline's clock (over ``link``, each
@@ -266,7 +266,7 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
     flat = to_device(*[t for b in shard(model(s["width"], s["hidden"], s["layers"], seed), rank, shape) for t in b])
     blocks = [[t.clone().requires_grad_() for t in flat[i:i + 4]] for i in range(0, len(flat), 4)]
     stage = [r for r in range(math.prod(shape)) if coords(r, shape)["pp"] == coords(rank, shape)["pp"]]
-    kit = Kit(blocks, axis_ranks(rank, shape, "pp"), stage, checkpointed)
+    kit = Kit(blocks, axis_ranks(rank, shape, "pp"), stage, checkpointed, harness)
     losses, grads, ops, seconds, states = [], None, None, [], 0
     for step in range(steps):
         x, y = to_device(*batch(s["rows"], s["width"], step, seed))
@@ -287,7 +287,7 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
                     t -= LR * t.grad
                 t.grad = None
     kept = _KEPT.pop(id(kit))
-    return {"losses": losses, "grads": grads, "ops": ops, "kept": kept.bytes[:s["micro_batches"]], "peak": kept.peak,
+    return {"losses": losses, "grads": grads, "ops": ops, "kept": kept["bytes"][:s["micro_batches"]], "peak": kept["peak"],
             "states": states, "seconds": seconds}
 
 
