@@ -38,6 +38,15 @@ NAME = "__exercise__"  # the module name exercise code runs under (namespace.NAM
 DUNDERS = ALLOWED_FUNC_NAMES | {"__call__", "__len__", "__iter__", "__next__", "__getitem__", "__setitem__",
                                 "__repr__", "__str__", "__hash__", "__bool__"}
 _UNREACHABLE = (types.FrameType, types.CodeType, types.TracebackType)
+GROUP_QUERIES = {"rank", "size", "name", "group_name", "group_desc"}  # what exercise code may ask a process group
+
+
+@functools.cache
+def _c10d() -> tuple:
+    """The types of torch.distributed's own objects whose methods move data: process groups and stores."""
+    import torch.distributed as dist
+
+    return (dist.ProcessGroup, dist.Store) if dist.is_available() else ()
 
 
 class Refused(RuntimeError):
@@ -126,6 +135,9 @@ def _getattr_(obj, name: str, *default):
             refuse(f"{module}.{name}", f"it is not one of the names of {module} that exercises use (lablib/rules/"
                    "allowed.py)" + ("; data moves between ranks through lablib's calls (lablib.all_reduce, "
                                    "lablib.send, ...), which the checks count" if module == "torch.distributed" else ""))
+    elif isinstance(obj, _c10d()) and name not in GROUP_QUERIES:
+        refuse(f"{type(obj).__name__}.{name}", "a process group is passed to lablib's calls as group= (which the "
+               "checks count); its own methods move data no check sees")
     elif name in DENIED or (isinstance(obj, str) and name in ("format", "format_map")):
         refuse(f".{name}", "an exercise does not need it (and str.format with f-strings)")
     return _check_value(getattr(obj, name, *default), f"{type(obj).__name__}.{name}")
