@@ -70,6 +70,7 @@ class RankPool:
         from .gputime import timed_on_device
         from .timeline import RECORDER
 
+        args, kwargs = P.for_rank(args, kwargs, dist.get_rank(), self.world_size)  # this rank's share of each PerRank
         dist.barrier()
         groups.job_started()
         self.origin_ns = time.perf_counter_ns()

@@ -222,3 +222,23 @@ def test_a_rank_that_says_hello_before_its_start_returns_is_greeted(monkeypatch)
     monkeypatch.setattr(cluster_module.zygote, "start", slow_start)
     with Cluster(2, quiet=True) as c:
         assert c.run(lambda: dist.get_rank()) == [0, 1]
+
+
+def _own(x, same):
+    return x, same
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_per_rank_argument_gives_each_rank_its_own_value(n):
+    """A check's inputs reach each rank as its share (lablib.pool.PerRank): rank r's call gets the r-th value,
+    shipped to it alone; the other arguments go to every rank as before."""
+    from lablib.pool import PerRank
+    from lablib.pool import protocol as P
+
+    with Cluster(n, timeout=10, quiet=True) as c:
+        got = c.run(_own, PerRank([torch.full((2,), float(r)) for r in range(n)]), "every rank")
+        assert [(x.tolist(), s) for x, s in got] == [([float(r)] * 2, "every rank") for r in range(n)]
+        with pytest.raises(TypeError, match=f"a PerRank argument holds 1 values for {n} ranks"):
+            c.run(_own, PerRank([0]), None)
+    args, kwargs = P.for_rank((PerRank(["a", "b"]), "c"), {"k": PerRank([1, 2])}, 1, 2)
+    assert args == ("b", "c") and kwargs == {"k": 2}

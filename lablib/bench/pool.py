@@ -167,7 +167,7 @@ def p13_strict(s: Settings) -> list[Row]:
     Gloo: a message's latency, and the rank job of lab 02's ring check with lablib's ring."""
     from .. import p2p
     from ..answers.lab02 import ring_all_gather
-    from ..checks.lab02 import ring_job
+    from ..checks.lab02 import ring_job, ring_shares
     from ..pool import Cluster
 
     count = 100 if s.quick else 400
@@ -180,7 +180,7 @@ def p13_strict(s: Settings) -> list[Row]:
         for _ in range(s.reps + 1):
             for i, fn in enumerate((p2p.strictly(ring_job), ring_job)):
                 t = time.perf_counter()
-                c.run(fn, ring_all_gather, "all_gather", None)
+                c.run(fn, ring_all_gather, "all_gather", ring_shares("all_gather", 4))
                 job[i].append((time.perf_counter() - t) * 1e3)
     return [Row("P13", "a 4 KiB message, send and recv between 2 ranks, in strict mode", "ms", latency[0][1:],
                 latency[1][1:], "plain Gloo", note="strict mode adds store round trips per message"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pool import PerRank
 from . import Check, CheckFailed, run_on_ranks
 
 TASK = "Task 0.1"
@@ -16,17 +17,15 @@ def inputs(world_size: int, seed: int | None = None) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=g) * 10 for _ in range(world_size)]
 
 
-def mean_job(fn, seed=None):
-    """On each rank: the learner's function on this rank's input."""
-    import torch.distributed as dist
-
+def mean_job(fn, x):
+    """On each rank: the learner's function on this rank's input (its share: no rank gets another's, or the seed)."""
     from ..comm import to_device
 
-    return fn(to_device(inputs(dist.get_world_size(), seed)[dist.get_rank()]).clone())
+    return fn(to_device(x).clone())
 
 
 def collect_mean(fns, pool, seed):
-    return run_on_ranks(pool, TASK, mean_job, fns[0], seed)
+    return run_on_ranks(pool, TASK, mean_job, fns[0], PerRank(inputs(pool.world_size, seed)))
 
 
 def judge_mean(results: list, world_size: int, seed: int | None = None) -> str:

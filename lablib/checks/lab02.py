@@ -7,6 +7,7 @@ import random
 import torch
 
 from ..comm import ring_steps
+from ..pool import PerRank
 from ..pool.failures import NCCL_RULES
 from ..toy import generator
 from . import Check, CheckFailed, run_on_ranks
@@ -43,7 +44,14 @@ def expected(op: str, n: int, rank: int, dtype: str, chunk: int, seed=None) -> t
     return total if op == "all_reduce" else total[rank * chunk:(rank + 1) * chunk]
 
 
-def ring_job(fn, op: str, seed=None) -> list:
+def ring_shares(op: str, n: int, seed=None) -> PerRank:
+    """Each rank's inputs, case by case: (dtype, chunk size, its own tensor), made here from the seed: no rank
+    gets the seed, or another rank's tensor."""
+    return PerRank([[(dtype, chunk, ring_input(op, n, rank, dtype, chunk, seed)) for dtype, chunk in ring_cases(seed)]
+                    for rank in range(n)])
+
+
+def ring_job(fn, op: str, cases: list) -> list:
     """On each rank, for every case: the learner's result, the bytes of each message it sent through
     lablib, and the library collectives it called: as lablib's traced calls recorded them (comm.watched),
     not from the timeline's spans, which ``lablib.span`` in exercise code could add to."""
@@ -51,10 +59,10 @@ def ring_job(fn, op: str, seed=None) -> list:
 
     from ..comm import to_device, watched
 
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     out = []
-    for dtype, chunk in ring_cases(seed):
-        x = to_device(ring_input(op, n, rank, dtype, chunk, seed))
+    for dtype, chunk, x in cases:
+        x = to_device(x)
         if op == "all_reduce":
             got = x.clone()
             _, ops = watched(fn, got)
@@ -109,7 +117,8 @@ def judge_ring(task: str, op: str, n: int, per_rank: list, fn_name: str, seed=No
 def _ring_check(task: str, op: str, params: tuple, forbidden: dict) -> Check:
     def collect(fns, pool, seed):
         strict = _SENDS_FIRST if task == "Task 2.1" else _UNGROUPED
-        return run_on_ranks(pool, task, ring_job, fns[0], op, seed, hints=((NCCL_RULES, strict),) + _RING_HINTS)
+        return run_on_ranks(pool, task, ring_job, fns[0], op, ring_shares(op, pool.world_size, seed),
+                            hints=((NCCL_RULES, strict),) + _RING_HINTS)
 
     def judge(data, world_size, seed):
         judge_ring(task, op, world_size, data, params[0], seed)

@@ -10,10 +10,11 @@ import re
 import torch
 
 from ..strategies import context_parallel as cp
+from ..pool import PerRank
 from ..pool.failures import NCCL_RULES
 from . import Check, CheckFailed, answers, call_local, max_error, not_done, run_on_ranks, whose
 from . import lab06_mistakes as mistakes
-from .lab06_ring import TOL, inputs, judge_ring as _judge_ring, pair as _pair, posted_first, ring_job, shape
+from .lab06_ring import TOL, inputs, judge_ring as _judge_ring, pair as _pair, posted_first, ring_job, shape, shares
 from ..rules.policy import COLLECTIVES
 
 _OWN = {"scaled_dot_product_attention": "the lab builds attention from lablib.attend; SDPA is the reference it is "
@@ -121,7 +122,7 @@ _HOP_HINTS = ((NCCL_RULES, "a hop's send and receive were posted apart (lablib.i
 
 
 def collect_ring(fns, pool, seed):
-    return run_on_ranks(pool, "Task 6.2", ring_job, fns, False, seed, hints=_HOP_HINTS)
+    return run_on_ranks(pool, "Task 6.2", ring_job, fns, False, shares(seed, pool.world_size, False), hints=_HOP_HINTS)
 
 
 def judge_ring(data, world_size, seed) -> str:
@@ -137,7 +138,7 @@ check_ring = Check("Task 6.2", ("ring_attention",), collect_ring, judge_ring, wo
 
 
 def collect_ring_backward(fns, pool, seed):
-    return run_on_ranks(pool, "Task 6.3", ring_job, fns, True, seed, hints=_HOP_HINTS)
+    return run_on_ranks(pool, "Task 6.3", ring_job, fns, True, shares(seed, pool.world_size, True), hints=_HOP_HINTS)
 
 
 def judge_ring_backward(data, world_size, seed) -> str:
@@ -203,16 +204,13 @@ check_zigzag = Check("Task 6.4", ("zigzag_shard",), collect_zigzag, judge_zigzag
 
 
 # -- Task 6.5: all-to-all (Ulysses) attention -------------------------------------------------------------------
-def ulysses_job(fn, seed=None) -> dict:
-    import torch.distributed as dist
-
+def ulysses_job(fn, share: list) -> dict:
+    """On each rank: the learner's all-to-all attention on its own rows of q, k and v (``share``), both masks."""
     from ..comm import to_device, watched
 
-    r, n = dist.get_rank(), dist.get_world_size()
-    q, k, v = (to_device(t) for t in inputs(seed))
     out = {}
     for causal in (False, True):
-        mine = [t.chunk(n, -2)[r].contiguous() for t in (q, k, v)]
+        mine = [to_device(t) for t in share]
         ((got, ops), blocks), queries = cp.queries_of(cp.blocks_of, watched, fn, *mine, causal)
         out[str(causal)] = {"got": got, "ops": ops, "blocks": blocks, "queries": queries[:1]}
     return out
@@ -228,7 +226,9 @@ def _split_hint(found) -> str:
 
 
 def collect_ulysses(fns, pool, seed):
-    return run_on_ranks(pool, "Task 6.5", ulysses_job, fns[0], seed, hints=((_SPLIT, _split_hint),))
+    n = pool.world_size
+    return run_on_ranks(pool, "Task 6.5", ulysses_job, fns[0], PerRank([[t.chunk(n, -2)[r].contiguous() for t in inputs(seed)]
+                                                                        for r in range(n)]), hints=((_SPLIT, _split_hint),))
 
 
 def judge_ulysses(data, world_size, seed) -> str:

@@ -9,6 +9,7 @@ import random
 import torch
 
 from ..strategies import context_parallel as cp
+from ..pool import PerRank
 from . import CheckFailed, max_error
 from . import lab06_mistakes as mistakes
 
@@ -40,20 +41,41 @@ def pair(task, what, got):
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def ring_job(fns, backward: bool, seed=None) -> dict:
+def shares(seed, n: int, backward: bool) -> PerRank:
+    """Each rank's share of a check's inputs, per layout: its rows of q, k and v and, for the backward, of the
+    output, its log-sum-exp (per mask) and the output's gradient; made here from the seed, so that no rank gets
+    the seed or another rank's rows."""
+    q, k, v = inputs(seed)
+    T = q.shape[-2]
+    refs = {c: (cp.reference(q, k, v, c), cp.reference_lse(q, k, c)) for c in (False, True)} if backward else {}
+    per = []
+    for r in range(n):
+        mine = {"T": T}
+        for layout in LAYOUTS:
+            rows = cp.positions(layout, r, n, T)
+            share = {"qkv": [t[..., rows, :].contiguous() for t in (q, k, v)]}
+            if backward:
+                share["dout"] = grad_out(seed)[..., rows, :].contiguous()
+                for causal, (o, lse) in refs.items():
+                    share[causal] = (o[..., rows, :].contiguous(), lse[..., rows].contiguous())
+            mine[layout] = share
+        per.append(mine)
+    return PerRank(per)
+
+
+def ring_job(fns, backward: bool, share: dict) -> dict:
     """On each rank, per layout and mask: the learner's ring attention (and its backward) on this rank's
-    chunk, with the messages it sent and received (lablib's traced calls, with their peers)."""
+    chunk (``share``), with the messages it sent and received (lablib's traced calls, with their peers)."""
     import torch.distributed as dist
 
     from ..comm import to_device, watched
 
     r, n = dist.get_rank(), dist.get_world_size()
-    q, k, v = (to_device(t) for t in inputs(seed))
-    T = q.shape[-2]
+    T = share["T"]
     out = {}
     for layout in LAYOUTS:
         every = [to_device(cp.positions(layout, s, n, T)) for s in range(n)]
-        mine = [t[..., every[r], :].contiguous() for t in (q, k, v)]
+        mine = [to_device(t) for t in share[layout]["qkv"]]
         for causal in (False, True):
             flight = blocks = None
             works: list = []
@@ -64,11 +86,9 @@ def ring_job(fns, backward: bool, seed=None) -> dict:
                 finally:
                     flight, cp._IN_FLIGHT[0] = cp._IN_FLIGHT[0], None
             else:
-                whole_out, whole_lse = cp.reference(q, k, v, causal), cp.reference_lse(q, k, causal)
-                rows = every[r]
-                dout = to_device(grad_out(seed))[..., rows, :].contiguous()
-                got, ops = watched(fns[0], *mine, every, whole_out[..., rows, :].contiguous(),
-                                   whole_lse[..., rows].contiguous(), dout, causal, works=works, peers=True)
+                o, lse = (to_device(t) for t in share[layout][causal])
+                got, ops = watched(fns[0], *mine, every, o, lse, to_device(share[layout]["dout"]), causal, works=works,
+                                   peers=True)
             unwaited = [w.op for w in works if not w.waited]
             _drain(works)
             out[f"{layout}/{causal}"] = {"got": list(got) if isinstance(got, (tuple, list)) else got, "ops": ops,

@@ -13,7 +13,7 @@ from ..strategies import experts as ep
 from ..toy import generator
 from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks, whose
 from .lab07_layer import (A2A_HINTS, FORBIDDEN, LAYER_HINTS, TOL, bytes_to, inputs, judge_ranks, layer_job,
-                          name_output_mistake, shape)
+                          layer_shares, name_output_mistake, shape)
 
 
 # -- Task 7.1: the router and the dense mixture, in one process -------------------------------------------
@@ -219,8 +219,9 @@ check_keep = Check("Task 7.3", ("keep_mask",), collect_keep, judge_keep, world_s
 
 # -- Task 7.4: the layer, its experts on the ranks -------------------------------------------------
 def collect_layer(fns, pool, seed):
-    return {str(cf): run_on_ranks(pool, "Task 7.4", layer_job, fns[0], seed, cf, 0.0 if cf is None else _SKEW,
-                                  hints=LAYER_HINTS) for cf in _FACTORS}
+    n = pool.world_size
+    return {str(cf): run_on_ranks(pool, "Task 7.4", layer_job, fns[0], layer_shares(seed, n, 0.0 if cf is None else _SKEW),
+                                  shape(seed, n)["k"], cf, hints=LAYER_HINTS) for cf in _FACTORS}
 
 
 def judge_layer(data, world_size, seed) -> str:

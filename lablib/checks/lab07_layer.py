@@ -7,6 +7,7 @@ import random
 
 import torch
 
+from ..pool import PerRank
 from ..strategies import experts as ep
 from ..toy import generator
 from . import CheckFailed, answers, max_error
@@ -109,17 +110,24 @@ def name_output_mistake(task, y, x, router, w1, w2, k, keep=None, capacity_facto
             raise CheckFailed(f"{task}: {what}.")
 
 
-def layer_job(fn, seed, capacity_factor=None, skew: float = 0.0) -> dict:
-    """On each rank: the learner's layer forward and backward on this rank's tokens, with the calls it made
-    (each all-to-all's bytes to each rank) and the tokens of each lablib.expert call."""
-    import torch.distributed as dist
+def layer_shares(seed, n: int, skew: float = 0.0) -> PerRank:
+    """Each rank's share: its tokens, the router, its own experts' weights and its output's gradient, made here
+    from the seed (no rank gets the seed, or another rank's tokens)."""
+    out = []
+    for r in range(n):
+        x, router, w1, w2, g = inputs(seed, n, r, skew)
+        out.append((x, router, ep.local(w1, r, n), ep.local(w2, r, n), g))
+    return PerRank(out)
 
+
+def layer_job(fn, share: tuple, k: int, capacity_factor=None) -> dict:
+    """On each rank: the learner's layer forward and backward on this rank's tokens (``share``), with the calls it
+    made (each all-to-all's bytes to each rank) and the tokens of each lablib.expert call."""
     from ..comm import to_device, watched
 
-    r, n = dist.get_rank(), dist.get_world_size()
-    x, router, w1, w2, g = inputs(seed, n, r, skew)
-    leaves = [t.requires_grad_() for t in to_device(x, router, ep.local(w1, r, n), ep.local(w2, r, n))]
-    g, k = to_device(g), shape(seed, n)["k"]
+    x, router, w1, w2, g = share
+    leaves = [t.requires_grad_() for t in to_device(x, router, w1, w2)]
+    g = to_device(g)
 
     def step():
         y = fn(*leaves, k) if capacity_factor is None else fn(*leaves, k, capacity_factor)

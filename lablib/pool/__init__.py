@@ -8,6 +8,7 @@ and the same ones on every rank), backend.py (NCCL or Gloo), shared.py (``lablib
 from .backend import resolve_backend
 from .cluster import Cluster
 from .failures import RankError
+from .protocol import PerRank
 from .shared import cluster, spare
 
-__all__ = ["Cluster", "RankError", "cluster", "resolve_backend", "spare"]
+__all__ = ["Cluster", "PerRank", "RankError", "cluster", "resolve_backend", "spare"]

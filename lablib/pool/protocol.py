@@ -131,6 +131,24 @@ def _identity(x):
     return x
 
 
+class PerRank(tuple):
+    """One value per rank, as an argument of ``Cluster.run``: rank r's call gets only the r-th, and no other
+    rank's is shipped to it (a check's inputs reach each rank as its own share, never as a seed it could
+    rebuild every rank's from)."""
+
+
+def for_rank(args: tuple, kwargs: dict, rank: int, world_size: int) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` as rank ``rank`` gets them: each ``PerRank`` replaced by its value for that rank."""
+    def pick(value):
+        if not isinstance(value, PerRank):
+            return value
+        if len(value) != world_size:
+            raise TypeError(f"a PerRank argument holds {len(value)} values for {world_size} ranks: give one per rank")
+        return value[rank]
+
+    return tuple(map(pick, args)), {k: pick(v) for k, v in kwargs.items()}
+
+
 def ship(obj, to_cpu: bool = False) -> bytes:
     """``obj`` as bytes a rank (or the parent) can ``unship``."""
     buf = io.BytesIO()
