@@ -75,7 +75,7 @@ def f(x):
     ("    return torch.serialization", "torch.serialization"),
     ("    return F.torch", "torch.nn.functional.torch"),
     ("    return x.numpy", ".numpy"),
-    ("    return '{0.grad}'.format(x)", ".format"),
+    ("    return '{0.grad}'.format(x)", "str.format"),
     ("    torch.allclose = None", "a change to torch"),
     ("    torch.Tensor.add = None", "a change to Tensor"),
     ("    from torch import serialization\n    return serialization", "from torch import serialization"),

@@ -93,9 +93,13 @@ class Transformer(RestrictingNodeTransformer):
 
 
 def compile_exercise(source: str, filename: str):
-    """``source`` compiled with the guards; SyntaxError naming the line, where the transformer refuses it."""
-    result = compile_restricted(source, filename, "exec", policy=Transformer)
-    return result
+    """``source`` compiled with the guards; a SyntaxError naming each line the transformer refuses."""
+    try:
+        return compile_restricted(source, filename, "exec", policy=Transformer)
+    except SyntaxError as exc:
+        if exc.args and isinstance(exc.args[0], tuple):  # the transformer's refusals, one per line
+            raise SyntaxError(f"grading refused {filename.strip('<>')}: " + "; ".join(exc.args[0])) from None
+        raise
 
 
 def _where() -> str:
@@ -109,8 +113,8 @@ def _where() -> str:
     return f" ({name}, line {frame.f_lineno}, in {frame.f_code.co_name})"
 
 
-def refuse(what: str, instead: str, kind: type = None):
-    raise (kind or Refused)(f"grading refused {what}{_where()}: {instead}")
+def refuse(what: str, instead: str, kind: type = Refused):
+    raise kind(f"grading refused {what}{_where()}: {instead}")
 
 
 def _module_name(module) -> str:
@@ -121,7 +125,7 @@ def _check_value(value, what: str):
     if isinstance(value, types.ModuleType) and _module_name(value) not in MODULES:
         refuse(f"{what}, the module {_module_name(value)}",
                f"exercises use {', '.join(sorted(MODULES))} and nothing past them")
-    if isinstance(value, _UNREACHABLE) or type(value).__module__.startswith("numpy"):
+    if isinstance(value, _UNREACHABLE) or (getattr(type(value), "__module__", None) or "").startswith("numpy"):
         refuse(f"{what}, a {type(value).__name__}", "exercise code computes with tensors and its own objects")
     return value
 
@@ -138,8 +142,10 @@ def _getattr_(obj, name: str, *default):
     elif isinstance(obj, _c10d()) and name not in GROUP_QUERIES:
         refuse(f"{type(obj).__name__}.{name}", "a process group is passed to lablib's calls as group= (which the "
                "checks count); its own methods move data no check sees")
-    elif name in DENIED or (isinstance(obj, str) and name in ("format", "format_map")):
-        refuse(f".{name}", "an exercise does not need it (and str.format with f-strings)")
+    elif isinstance(obj, str) and name in ("format", "format_map"):
+        refuse(f"str.{name}", "build text with f-strings")
+    elif name in DENIED:
+        refuse(f".{name}", "an exercise does not need it")
     return _check_value(getattr(obj, name, *default), f"{type(obj).__name__}.{name}")
 
 
