@@ -138,8 +138,7 @@ class Cluster:
             self._gen += 1  # the debug wrapper is chosen when the group is created
 
     def run(self, fn, *args, **kwargs):
-        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order. An argument
-        that is a ``PerRank`` (one value per rank) gives each rank its own value, and ships it no other.
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
         Raises RankError when a rank raises or does not finish, KeyboardInterrupt when interrupted.
         """
@@ -149,11 +148,7 @@ class Cluster:
             raise TypeError(f"run() needs a function to run on every rank, got {type(fn).__name__}")
         with StopButton() as stop:
             try:
-                if any(isinstance(v, P.PerRank) for v in (*args, *kwargs.values())):
-                    payloads = [P.ship((fn, *P.for_rank(args, kwargs, r, self.world_size)))
-                                for r in range(self.world_size)]
-                else:
-                    payloads = [P.ship((fn, args, kwargs))] * self.world_size
+                payloads = P.payloads(fn, args, kwargs, self.world_size)
             except Exception as exc:
                 raise TypeError(f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
                                 f"{exc}. Everything a rank needs must be picklable (tensors, numbers, functions; "
@@ -162,13 +157,11 @@ class Cluster:
             if stop.presses:  # pressed before the job was sent: nothing to stop on the ranks
                 raise KeyboardInterrupt
             self._job_id += 1
-            sources, messages = cell_sources(), {}
+            messages = P.messages(self._job_id, self._gen, self._debug, payloads, cell_sources())
             origin = time.perf_counter_ns()
             for r, w in self._workers.items():
-                if payloads[r] not in messages:  # one message for every rank, unless each has its own share
-                    messages[payloads[r]] = P.encode(P.Job(self._job_id, self._gen, self._debug, payloads[r], sources))
                 try:
-                    w.conn.send_bytes(messages[payloads[r]])
+                    w.conn.send_bytes(messages[r])
                 except OSError:
                     pass  # its death is reported by the reader thread
             return self._collect(Job(self, self._job_id), stop, origin, getattr(fn, "__name__", "job"))

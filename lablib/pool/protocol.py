@@ -149,6 +149,20 @@ def for_rank(args: tuple, kwargs: dict, rank: int, world_size: int) -> tuple[tup
     return tuple(map(pick, args)), {k: pick(v) for k, v in kwargs.items()}
 
 
+def payloads(fn, args: tuple, kwargs: dict, world_size: int) -> list[bytes]:
+    """What each rank is sent of ``fn(*args, **kwargs)``: the same payload, or each its own where an argument
+    is a ``PerRank``."""
+    if any(isinstance(v, PerRank) for v in (*args, *kwargs.values())):
+        return [ship((fn, *for_rank(args, kwargs, r, world_size))) for r in range(world_size)]
+    return [ship((fn, args, kwargs))] * world_size
+
+
+def messages(job_id: int, gen: int, debug: bool, payloads: list[bytes], sources: dict) -> list[bytes]:
+    """The encoded Job for each rank, each distinct payload encoded once."""
+    encoded = {p: encode(Job(job_id, gen, debug, p, sources)) for p in set(payloads)}
+    return [encoded[p] for p in payloads]
+
+
 def ship(obj, to_cpu: bool = False) -> bytes:
     """``obj`` as bytes a rank (or the parent) can ``unship``."""
     buf = io.BytesIO()
