@@ -226,9 +226,9 @@ def _split_hint(found) -> str:
 
 
 def collect_ulysses(fns, pool, seed):
-    n = pool.world_size
-    return run_on_ranks(pool, "Task 6.5", ulysses_job, fns[0], PerRank([[t.chunk(n, -2)[r].contiguous() for t in inputs(seed)]
-                                                                        for r in range(n)]), hints=((_SPLIT, _split_hint),))
+    n, qkv = pool.world_size, inputs(seed)
+    share = PerRank([[t.chunk(n, -2)[r].contiguous() for t in qkv] for r in range(n)])  # each rank its own rows
+    return run_on_ranks(pool, "Task 6.5", ulysses_job, fns[0], share, hints=((_SPLIT, _split_hint),))
 
 
 def judge_ulysses(data, world_size, seed) -> str:

@@ -219,9 +219,12 @@ check_keep = Check("Task 7.3", ("keep_mask",), collect_keep, judge_keep, world_s
 
 # -- Task 7.4: the layer, its experts on the ranks -------------------------------------------------
 def collect_layer(fns, pool, seed):
-    n = pool.world_size
-    return {str(cf): run_on_ranks(pool, "Task 7.4", layer_job, fns[0], layer_shares(seed, n, 0.0 if cf is None else _SKEW),
-                                  shape(seed, n)["k"], cf, hints=LAYER_HINTS) for cf in _FACTORS}
+    n, out = pool.world_size, {}
+    for cf in _FACTORS:
+        share = layer_shares(seed, n, 0.0 if cf is None else _SKEW)
+        out[str(cf)] = run_on_ranks(pool, "Task 7.4", layer_job, fns[0], share, shape(seed, n)["k"], cf,
+                                    hints=LAYER_HINTS)
+    return out
 
 
 def judge_layer(data, world_size, seed) -> str:

@@ -1,7 +1,8 @@
 """The grading box (``lablib grade``): what a learner's box sees (lablib and the virtual environment read-only,
-an empty folder over lablib's answers; the answers a lab builds on come as text in the request), how it runs (runner.py in
-sandbox.py's box, writing into a tmpfs of its own, its request on stdin and its results back over a capped
-pipe), and what grade.py gets back: the records of the check calls it asked for, and a note on how it ended.
+an empty folder over lablib's answers; the answers a lab builds on come as text in the request), how it runs
+(runner.py, the supervisor, and executor.py in sandbox.py's box, writing into a tmpfs of its own, its request on
+stdin and its results back over a capped pipe), and what grade.py gets back: the records of the check calls it
+asked for, and a note on how it ended.
 """
 from __future__ import annotations
 

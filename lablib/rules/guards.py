@@ -136,9 +136,10 @@ def _getattr_(obj, name: str, *default):
     if isinstance(obj, types.ModuleType):
         module = _module_name(obj)
         if name not in MODULES.get(module, ()):
+            moves = "; data moves between ranks through lablib's calls (lablib.all_reduce, lablib.send, ...), which " \
+                    "the checks count"
             refuse(f"{module}.{name}", f"it is not one of the names of {module} that exercises use (lablib/rules/"
-                   "allowed.py)" + ("; data moves between ranks through lablib's calls (lablib.all_reduce, "
-                                   "lablib.send, ...), which the checks count" if module == "torch.distributed" else ""))
+                   "allowed.py)" + (moves if module == "torch.distributed" else ""))
     elif isinstance(obj, _c10d()) and name not in GROUP_QUERIES:
         refuse(f"{type(obj).__name__}.{name}", "a process group is passed to lablib's calls as group= (which the "
                "checks count); its own methods move data no check sees")
@@ -180,8 +181,8 @@ def _guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
     module = __import__(name, globals, locals, fromlist, level)
     for item in fromlist or ():
         if item not in MODULES[name] and f"{name}.{item}" not in MODULES:
-            refuse(f"from {name} import {item}", f"an exercise uses {name}'s {', '.join(sorted(MODULES[name])[:12])}, ...",
-                   ImportError)
+            listed = ", ".join(sorted(MODULES[name])[:12])
+            refuse(f"from {name} import {item}", f"an exercise uses {name}'s {listed}, ...", ImportError)
     return module
 
 
