@@ -18,6 +18,7 @@ WHY = {
     "ipywidgets": "quizzes and sliders",
     "plotly": "timelines and charts",
     "pyyaml": "quiz banks",
+    "RestrictedPython": "grading: exercise code compiled with runtime guards",
 }
 
 
@@ -62,7 +63,7 @@ def _version_tuple(v: str):
 
 
 def _row(label, value, note=""):
-    print(f"  {label:<12} {value}{('   ' + note) if note else ''}")
+    print(f"  {label:<16} {value}{('   ' + note) if note else ''}")
 
 
 def _warn_if_untested(name, version):
