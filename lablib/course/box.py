@@ -37,7 +37,7 @@ def run_box(request: list, course, held: tuple = ()) -> tuple[dict, str]:
     from . import sandbox
 
     work, notes = Path(tempfile.mkdtemp(prefix="lablib-grade-")), []
-    held_dir = answers_folder()
+    answers_dir = answers_folder()
     try:
         nonce = secrets.token_hex(16)
         given = json.dumps({"nonce": nonce, "check_timeout": course.check_timeout, "labs": request,
@@ -45,7 +45,7 @@ def run_box(request: list, course, held: tuple = ()) -> tuple[dict, str]:
         env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LABLIB_GRADING": "1"}
         # The box writes into a tmpfs of its own and hands its results back over a pipe: no learner's files
         # reach the disk that every box, and the gradebook, share.
-        run = sandbox.run([sys.executable, "-m", "lablib.course.runner"], workdir=work, **box_view(held_dir), env=env,
+        run = sandbox.run([sys.executable, "-m", "lablib.course.runner"], workdir=work, **box_view(answers_dir), env=env,
                           limits=sandbox.Limits(seconds=course.time_limit, cpus=course.cpus), cwd=work,
                           scratch=SCRATCH_BYTES,
                           stdin=given, channel=RESULTS_BYTES)
@@ -80,7 +80,7 @@ def run_box(request: list, course, held: tuple = ()) -> tuple[dict, str]:
             notes.append(run.warning)
     finally:
         notes.append(_remove(work))
-        shutil.rmtree(held_dir)
+        shutil.rmtree(answers_dir)
     return records, "\n".join(n for n in notes if n)
 
 

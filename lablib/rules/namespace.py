@@ -3,9 +3,9 @@
 ``lablib grade`` and ``python -m lablib.run`` execute the learner's exercise cells in ``namespace()``
 (module name ``__exercise__``): torch, dist, F, math, lablib, and only the plain builtins (policy.py's
 SAFE_BUILTINS) with an ``__import__`` that takes only the modules exercises may import, and the hooks that
-code compiled with the guards calls (guards.py: grading compiles it so). A function
-shipped to a rank is rebuilt there by cloudpickle with the rank's real builtins; ``restrict`` gives the
-exercise functions in a job the same restricted ones again, so the rules hold on the ranks too.
+code compiled with the guards calls (guards.py: grading compiles it so). A function shipped to a rank is
+rebuilt there by cloudpickle, which would give it the rank's real builtins; under grading the rank has it rebuilt
+with the exercise builtins instead (``rebuild_with_exercise_builtins``), so the rules hold on the ranks too.
 """
 from __future__ import annotations
 
