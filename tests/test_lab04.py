@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import lablib
 from lablib import comm
 from lablib.checks import PASSED, TRIED, CheckFailed
+from lablib.pool import PerRank
 from lablib.checks.lab04 import (check_attention, given_shards, check_mlp, check_sp, check_split, judge_attention, judge_mlp,
                                  judge_sp, judge_split, yours)
 from lablib.answers import lab04 as answers
@@ -298,7 +299,7 @@ def test_lablibs_pieces_match_the_reference_and_dtensor(cluster):
     for judge, job, fns in ((judge_mlp, ref.mlp_job, (answers.tp_mlp,)),
                             (judge_attention, ref.attention_job, (answers.shard_qkv, answers.tp_attention)),
                             (judge_sp, ref.sp_job, (answers.sp_feed_forward,))):
-        text = judge(pool.run(job, *fns, shards), n, None)
+        text = judge(pool.run(job, *fns, PerRank(shards)), n, None)
         assert "DTensor" in text and "max difference" in text
         diff = float(text.split("max difference ")[1].split(")")[0])
         assert 0 <= diff <= 1e-5  # DTensor ran and agreed
@@ -367,11 +368,12 @@ def test_library_shortcuts_are_refused(cluster):
 
 def test_hidden_checks_draw_other_weights_and_inputs(cluster):
     n = cluster.world_size
-    a, b = (cluster.run(ref.mlp_job, answers.tp_mlp, given_shards(n, seed), seed, False)[0] for seed in (None, 5))
+    a, b = (cluster.run(ref.mlp_job, answers.tp_mlp, PerRank(given_shards(n, seed)), seed, False)[0]
+            for seed in (None, 5))
     assert (a["out"] - b["out"]).abs().max() > 0.1
-    assert "match" in judge_mlp(cluster.run(ref.mlp_job, answers.tp_mlp, given_shards(n, 5), 5), n, 5)
+    assert "match" in judge_mlp(cluster.run(ref.mlp_job, answers.tp_mlp, PerRank(given_shards(n, 5)), 5), n, 5)
     with pytest.raises(CheckFailed):  # judged against another seed's reference, the same answers fail
-        judge_mlp(cluster.run(ref.mlp_job, answers.tp_mlp, given_shards(n, 5), 5), n, None)
+        judge_mlp(cluster.run(ref.mlp_job, answers.tp_mlp, PerRank(given_shards(n, 5)), 5), n, None)
 
 
 # -- what the notebook measures -------------------------------------------------------------------------------

@@ -1,8 +1,6 @@
-"""Lab 04 (tensor parallelism): Task 4.1 (column and row splits), 4.2 (Megatron's f and g, the MLP),
-4.3 (attention split by heads) and 4.4 (sequence parallelism), each run forward and backward on the
-ranks and judged against a single-process reference computed here, and against DTensor's result on the
-same ranks (not under a seed: other weights, drawn for hidden checks, need no second opinion, and
-DTensor's first use costs a rank seconds)."""
+"""Lab 04 (tensor parallelism): Tasks 4.1 (column and row splits), 4.2 (Megatron's f and g, the MLP), 4.3 (attention
+by heads), 4.4 (sequence parallelism), run forward and backward on the ranks (each given its own shards), judged
+against a single-process reference and DTensor's result on the same ranks (not for a seed: DTensor costs seconds)."""
 from __future__ import annotations
 
 import re
@@ -10,6 +8,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from ..pool import PerRank
 from ..strategies import tensor_parallel as tp
 from ..strategies import tp_reference as ref
 from . import Check, CheckFailed, answers, run_on_ranks, whose
@@ -189,7 +188,7 @@ def given_shards(world_size, seed) -> list[dict]:  # per rank, the layers' shard
 
 
 def collect_mlp(fns, pool, seed, shards):
-    return run_on_ranks(pool, "Task 4.2", ref.mlp_job, *fns, shards, seed, seed is None, hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 4.2", ref.mlp_job, *fns, PerRank(shards), seed, seed is None, hints=_RANK_HINTS)
 
 
 _NAMES = ("the input's gradient", "fc1's weight-shard gradient", "fc1's bias-shard gradient",
@@ -252,7 +251,8 @@ check_mlp = Check("Task 4.2", ("tp_mlp",), collect_mlp, judge_mlp, world_sizes=(
 
 # -- Task 4.3: attention, split by heads -------------------------------------------------------------------
 def collect_attention(fns, pool, seed, shards):
-    return run_on_ranks(pool, "Task 4.3", ref.attention_job, *fns, shards, seed, seed is None, hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 4.3", ref.attention_job, *fns, PerRank(shards), seed, seed is None,
+                        hints=_RANK_HINTS)
 
 
 def _core(att, causal: bool = True):
@@ -340,7 +340,7 @@ check_attention = Check("Task 4.3", ("shard_qkv", "tp_attention"), collect_atten
 
 # -- Task 4.4: sequence parallelism -------------------------------------------------------------------------
 def collect_sp(fns, pool, seed, shards):
-    return run_on_ranks(pool, "Task 4.4", ref.sp_job, *fns, shards, seed, seed is None, hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 4.4", ref.sp_job, *fns, PerRank(shards), seed, seed is None, hints=_RANK_HINTS)
 
 
 def judge_sp(data, world_size, seed) -> str:

@@ -58,11 +58,9 @@ def split_job(shard_column, shard_row, row_linear, seed=None) -> dict:
     return out
 
 
-def _shards(shards, r: int, n: int) -> dict:
-    """This rank's given shards, on its device."""
-    if len(shards) != n:
-        raise ValueError(f"given the shards of {len(shards)} ranks, on {n}")
-    return {k: to_device(*v) for k, v in shards[r].items()}
+def _shards(shard: dict) -> dict:
+    """This rank's given shards (its own only: the check sends them as a PerRank), on its device."""
+    return {k: to_device(*v) for k, v in shard.items()}
 
 
 def _fits(w, b, shape, bias) -> bool:
@@ -78,13 +76,12 @@ def _run(fn, args, grad_out, leaves_):
     return {"out": y.detach(), "fwd": fwd, "bwd": bwd, "grads": _grads(*leaves_)}
 
 
-def mlp_job(tp_mlp, shards, seed=None, dtensor=True) -> dict:
-    """Task 4.2: the MLP (fc1, GELU, fc2) column- then row-parallel, forward and backward. ``shards``: per
-    rank, the layers' shards (given: lablib's answers to Task 4.1 are not on the ranks when grading)."""
-    r, n = _rank()
+def mlp_job(tp_mlp, shard, seed=None, dtensor=True) -> dict:
+    """Task 4.2: the MLP (fc1, GELU, fc2) column- then row-parallel, forward and backward. ``shard``: this
+    rank's shards of the layers (given: lablib's answers to Task 4.1 are not on the ranks when grading)."""
     ff, _ = to_device(*layers(seed or 0))
     x, _, dy = to_device(*inputs(seed or 0, B, T, WIDTH))
-    mine = _shards(shards, r, n)
+    mine = _shards(shard)
     params = leaves(x, *mine["fc1"], *mine["fc2"])
     out = _run(tp_mlp, params, dy, params)
     if dtensor:
@@ -92,8 +89,8 @@ def mlp_job(tp_mlp, shards, seed=None, dtensor=True) -> dict:
     return out
 
 
-def attention_job(shard_qkv, tp_attention, shards, seed=None, dtensor=True) -> dict:
-    """Task 4.3: attention split by heads, forward and backward (``shards``: as ``mlp_job``'s)."""
+def attention_job(shard_qkv, tp_attention, shard, seed=None, dtensor=True) -> dict:
+    """Task 4.3: attention split by heads, forward and backward (``shard``: as ``mlp_job``'s)."""
     r, n = _rank()
     _, att = to_device(*layers(seed or 0))
     x, _, dy = to_device(*inputs(seed or 0, B, T, WIDTH))
@@ -103,20 +100,20 @@ def attention_job(shard_qkv, tp_attention, shards, seed=None, dtensor=True) -> d
     if not all(isinstance(t, torch.Tensor) for t in (wqkv, bqkv)) or (tuple(wqkv.shape), tuple(bqkv.shape)) != \
             ((rows, WIDTH), (rows,)):
         return out  # the judge names the shard's shape; tp_attention would only fail on it
-    params = leaves(x, wqkv, bqkv, *_shards(shards, r, n)["proj"])
+    params = leaves(x, wqkv, bqkv, *_shards(shard)["proj"])
     out.update(_run(tp_attention, params + [HEADS // n], dy, params))
     if dtensor:
         out["dtensor"] = dtensor_attention(att, x, dy)
     return out
 
 
-def sp_job(sp_feed_forward, shards, seed=None, dtensor=True) -> dict:
-    """Task 4.4: the feed-forward sub-block with sequence parallelism; (T, B, d) split along T (``shards``:
+def sp_job(sp_feed_forward, shard, seed=None, dtensor=True) -> dict:
+    """Task 4.4: the feed-forward sub-block with sequence parallelism; (T, B, d) split along T (``shard``:
     as ``mlp_job``'s)."""
     r, n = _rank()
     ff, _ = to_device(*layers(seed or 0))
     x, _, dy = to_device(*inputs(seed or 0, T, B, WIDTH))
-    mine = _shards(shards, r, n)
+    mine = _shards(shard)
     params = leaves(x.chunk(n)[r], ff.ln.weight, ff.ln.bias, *mine["fc1"], *mine["fc2"])
     out = _run(sp_feed_forward, params, dy.chunk(n)[r], params)
     grads = out.get("grads", [])
