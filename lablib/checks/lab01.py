@@ -9,7 +9,7 @@ import torch
 from ..memory import STAGE_NAMES, zero_formula
 from ..strategies.flat import FlatLayout
 from ..strategies.fsdp import ZeRO3
-from ..strategies.harness import Optimizer, reference, train
+from ..strategies.harness import Optimizer, reference, shares, train
 from ..strategies.zero import ZeRO1, ZeRO2
 from ..toy import build_model
 from . import Check, CheckFailed, answers, call_local, params_error, run_on_ranks
@@ -154,14 +154,15 @@ _MEMORY_HINTS = {
 MODELS, STEPS = ("mlp", "transformer"), 3
 
 
-def train_job(strategy, seed=None) -> dict:
-    """On each rank: both models trained with ``strategy``; parameters, bytes held and Ψ per model, and
-    the collectives the training issued (as lablib's traced calls recorded them)."""
+def train_job(strategy, data: dict) -> dict:
+    """On each rank: both models trained with ``strategy`` on this rank's ``data`` (``harness.shares``):
+    parameters, bytes held and Ψ per model, and the collectives the training issued (as lablib's traced calls
+    recorded them)."""
     from ..comm import watched
 
     out = {}
     for model in MODELS:
-        out[model], ops = watched(train, strategy, model, STEPS, Optimizer(), False, seed or 0)
+        out[model], ops = watched(train, strategy, model, STEPS, Optimizer(), False, 0, data[model])
         out[model]["ops"] = sorted({op.split(" ")[0] for op in ops})
     return out
 
@@ -194,7 +195,8 @@ def judge_zero(task: str, stage: str, per_rank: list, n: int, seed=None) -> str:
 
 def _zero_check(task: str, stage: str, make, params: tuple) -> Check:
     def collect(fns, pool, seed):
-        return run_on_ranks(pool, task, train_job, make(*fns), seed, hints=_RANK_HINTS)
+        return run_on_ranks(pool, task, train_job, make(*fns), shares(MODELS, STEPS, pool.world_size, seed),
+                            hints=_RANK_HINTS)
 
     def judge(data, world_size, seed):
         return judge_zero(task, stage, data, world_size, seed)

@@ -9,7 +9,7 @@ import traceback
 
 from .. import comm
 from ..strategies import prefetch
-from ..strategies.harness import Optimizer, reference
+from ..strategies.harness import Optimizer, reference, shares
 from . import Check, CheckFailed, answers, params_error, run_on_ranks
 
 MODELS, STEPS = ("mlp", "transformer"), 3
@@ -42,10 +42,11 @@ _RANK_HINTS = (
 )
 
 
-def hooks_job(hooks: prefetch.Hooks, depths, seed=None) -> dict:
-    """On each rank: every model trained with ``hooks`` at every depth (``seed``: other weights and data)."""
+def hooks_job(hooks: prefetch.Hooks, depths, data: dict) -> dict:
+    """On each rank: every model trained with ``hooks`` at every depth, on this rank's ``data``
+    (``harness.shares``)."""
     hooks = prefetch.Hooks(**{f.name: _named(f.name, getattr(hooks, f.name)) for f in dataclasses.fields(hooks)})
-    return {f"{model}/{d}": prefetch.train(hooks, model, STEPS, Optimizer(), depth=d, seed=seed or 0)
+    return {f"{model}/{d}": prefetch.train(hooks, model, STEPS, Optimizer(), depth=d, data=data[model])
             for model in MODELS for d in depths}
 
 
@@ -186,8 +187,8 @@ def _plain_expect(units: int):
 
 def collect_hooks(fns, pool, seed):
     pre_f, post_f, pre_b, post_b = fns
-    return run_on_ranks(pool, "Task 3.1", hooks_job, prefetch.Hooks(pre_f, post_f, pre_b, post_b), (0,), seed,
-                        hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 3.1", hooks_job, prefetch.Hooks(pre_f, post_f, pre_b, post_b), (0,),
+                        shares(MODELS, STEPS, pool.world_size, seed), hints=_RANK_HINTS)
 
 
 def judge_hooks(data, world_size, seed) -> str:
@@ -246,7 +247,8 @@ def prefetch_expect(units: int, d: int, last_kept: bool = True):
 def collect_prefetch(fns, pool, seed):
     fwd, post_f, bwd, post_b = fns  # the backward's reduce-scatters: the learner's Task 3.1 post_backward
     hooks = prefetch.Hooks(fwd, post_f, bwd, post_b)
-    return run_on_ranks(pool, "Task 3.2", hooks_job, hooks, DEPTHS, seed, hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 3.2", hooks_job, hooks, DEPTHS, shares(MODELS, STEPS, pool.world_size, seed),
+                        hints=_RANK_HINTS)
 
 
 def judge_prefetch(data, world_size, seed) -> str:
@@ -289,7 +291,8 @@ def overlap_expect(units: int, d: int = 1):
 def collect_overlap(fns, pool, seed):
     post_b, finish, fwd, post_f, bwd = fns  # with the learner's prefetching hooks of Task 3.2
     hooks = prefetch.Hooks(fwd, post_f, bwd, post_b, finish)
-    return run_on_ranks(pool, "Task 3.3", hooks_job, hooks, (1,), seed, hints=_RANK_HINTS)
+    return run_on_ranks(pool, "Task 3.3", hooks_job, hooks, (1,), shares(MODELS, STEPS, pool.world_size, seed),
+                        hints=_RANK_HINTS)
 
 
 def judge_overlap(data, world_size, seed) -> str:

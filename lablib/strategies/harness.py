@@ -8,6 +8,7 @@ the harness knows none of them.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -69,25 +70,41 @@ class Context:
             unit.shard.copy_(unit.master)
 
 
+def rank_data(model_name: str, steps: int, rank: int, seed: int = 0) -> tuple:
+    """(the initial model, rank ``rank``'s batches of ``steps`` steps): what a rank trains on, which a check hands
+    each rank as its own share (``lablib.pool.PerRank``) rather than the seed it is drawn from."""
+    return build_model(model_name, seed), [batch(model_name, step, rank, seed) for step in range(steps)]
+
+
+def shares(models, steps: int, n: int, seed=None):
+    """``rank_data`` of each of ``n`` ranks, per model in ``models``, as a ``PerRank``: a check's rank job gets its
+    rank's share, never the seed."""
+    from ..pool import PerRank
+
+    return PerRank([{m: rank_data(m, steps, rank, seed or 0) for m in models} for rank in range(n)])
+
+
 def train(strategy, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
-          mixed: bool = False, seed: int = 0) -> dict:
+          mixed: bool = False, seed: int = 0, data: tuple | None = None) -> dict:
     """Train on this rank (inside ``cluster.run``) with ``strategy``; every rank sees its own batches.
 
-    ``seed`` draws other initial weights and batches (hidden checks). Returns the full fp32 parameters
+    ``seed`` draws other initial weights and batches (hidden checks); ``data``: this rank's ``rank_data``,
+    given instead. Returns the full fp32 parameters
     per unit (gathered, unpadded), the bytes held by kind after the last step, the losses and Ψ (the
     padded parameter count)."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
     ctx = Context(rank, n, optimizer)
-    units = setup(to_device(build_model(model_name, seed)), rank, n, optimizer.init_state, strategy.sharded, strategy.frees_params,
+    model, batches = copy.deepcopy(data) if data else rank_data(model_name, steps, rank, seed)
+    units = setup(to_device(model), rank, n, optimizer.init_state, strategy.sharded, strategy.frees_params,
                   torch.bfloat16 if mixed else torch.float32)
     # Start the steps together (untraced): otherwise the first collective absorbs the ranks' uneven
     # set-up time and looks like slow communication on the timeline.
     dist.barrier()
     losses = []
     for step in range(steps):
-        x, y = to_device(*batch(model_name, step, rank, seed))
+        x, y = to_device(*batches[step])
         if mixed:
             x = x.to(torch.bfloat16)
         losses.append(strategy.train_step(units, x, y, ctx).item())

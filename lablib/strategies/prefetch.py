@@ -18,6 +18,7 @@ fills the same storage again. The hooks are the learner's (lablib's answers are 
 """
 from __future__ import annotations
 
+import copy
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -32,7 +33,7 @@ from ..timeline import RECORDER, RawSpan, _now, span
 from ..toy import batch, build_model, loss_fn
 from .flat import Unit, setup
 from .fsdp import sum_then_divide_on_gloo
-from .harness import Context, Optimizer, gather_full
+from .harness import Context, Optimizer, gather_full, rank_data
 
 
 def no_finish(units, ctx):
@@ -153,13 +154,13 @@ def start_recording() -> None:
 
 
 def train(hooks: Hooks, model_name: str = "mlp", steps: int = 3, optimizer: Optimizer = Optimizer(),
-          depth: int = 0, link: comm.Link | None = None, warmup: int = 0, seed: int = 0) -> dict:
+          depth: int = 0, link: comm.Link | None = None, warmup: int = 0, seed: int = 0, data=None) -> dict:
     """Train on this rank (inside ``cluster.run``) with FSDP units driven by ``hooks``.
 
     ``depth``: how far ahead prefetching hooks gather (``ctx.depth``); ``link``: a simulated link
     (``comm.LINKS``) for every collective; ``warmup``: steps run, and not timed, before the ``steps``
     timed ones, of which the timeline records the last; ``seed``: other initial weights and batches
-    (hidden checks).
+    (hidden checks); ``data``: this rank's ``harness.rank_data``, given instead.
     Returns the full parameters (gathered), the losses, the first step's log of what each unit held
     after each moment, the peak bytes of gathered parameters, the bytes held between steps, and the
     seconds of each recorded step."""
@@ -167,7 +168,8 @@ def train(hooks: Hooks, model_name: str = "mlp", steps: int = 3, optimizer: Opti
 
     rank, n = dist.get_rank(), dist.get_world_size()
     ctx = Context(rank, n, optimizer, depth)
-    units = setup(comm.to_device(build_model(model_name, seed)), rank, n, optimizer.init_state, sharded=True,
+    first, batches = copy.deepcopy(data) if data else rank_data(model_name, warmup + steps, rank, seed)
+    units = setup(comm.to_device(first), rank, n, optimizer.init_state, sharded=True,
                   frees_params=True)
     model = nn.Sequential(*(u.module for u in units))
     record = Record(units)
@@ -180,7 +182,7 @@ def train(hooks: Hooks, model_name: str = "mlp", steps: int = 3, optimizer: Opti
                     start_recording()
                 record.logging = step == 0  # the first step's moments are logged
                 t = _now()
-                x, y = comm.to_device(*batch(model_name, step, rank, seed))
+                x, y = comm.to_device(*batches[step])
                 out = model(x)
                 with span("loss"):
                     loss = loss_fn(out, y)
