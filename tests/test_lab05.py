@@ -391,7 +391,8 @@ def test_a_split_backward_gives_the_full_backwards_gradients_and_memory_is_count
 
 # -- on the ranks ---------------------------------------------------------------------------------------------------
 def test_lablibs_executor_matches_one_process_and_torch_pipelining(cluster):
-    text = judge_execute(cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, None), None, True), cluster.world_size, None)
+    n = cluster.world_size
+    text = judge_execute(cluster.run(ref.execute_job, answers.execute, given_plans(n, None), ref.shares(n), True), n, None)
     assert "torch.distributed.pipelining" in text
     diff = float(text.split("max difference ")[1].split(")")[0])
     assert 0 <= diff <= 1e-5
@@ -487,10 +488,12 @@ def test_library_shortcuts_are_refused():
 
 
 def test_hidden_checks_draw_other_schedules_and_weights(cluster):
-    a, b = (cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, seed), seed, False)[0]["1f1b"]["grads"]["0"][0] for seed in (None, 5))
+    n = cluster.world_size
+    a, b = (cluster.run(ref.execute_job, answers.execute, given_plans(n, seed), ref.shares(n, seed), False)[0]["1f1b"]["grads"]["0"][0]
+            for seed in (None, 5))
     assert (a - b).abs().max() > 1e-3
     with pytest.raises(CheckFailed):  # judged against another seed's reference, the same gradients fail
-        judge_execute(cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, 5), 5, False), cluster.world_size, None)
+        judge_execute(cluster.run(ref.execute_job, answers.execute, given_plans(n, 5), ref.shares(n, 5), False), n, None)
 
 
 # -- what the notebook measures ------------------------------------------------------------------------------------
@@ -636,7 +639,8 @@ def test_a_judge_checks_a_shape_before_it_computes_with_it(cluster):
     gigabytes of the grader's memory computing with it. It is refused by its shape, with no memory spent."""
     import resource
 
-    data = cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, None), None, False)
+    data = cluster.run(ref.execute_job, answers.execute, given_plans(cluster.world_size, None), ref.shares(cluster.world_size),
+                       False)
     name = ref.CHECKED[0][0]
     stage = sorted(data[0][name]["grads"])[0]
     data[0][name]["grads"][stage][0] = torch.zeros(500_000, 1, 1)

@@ -1,9 +1,8 @@
-"""Lab 05 (pipeline bubbles): Task 5.1 (GPipe and 1F1B as data), 5.2 (interleaved 1F1B and ZB-H1), 5.3
-(the validator) and 5.4 (the executor on real ranks). Schedules are judged by what they do, not by
-their order: each must run to the end (lablib's validator), hold no more activations than the schedule
-allows, and, simulated with the papers' unit times, leave exactly the papers' bubble. The executor's
-gradients are judged against one process and PyTorch's ``torch.distributed.pipelining`` schedules on
-the same model (not under a seed: PyTorch's first use costs a rank seconds)."""
+"""Lab 05 (pipeline bubbles): Task 5.1 (GPipe and 1F1B as data), 5.2 (interleaved 1F1B and ZB-H1), 5.3 (the validator)
+and 5.4 (the executor on real ranks). Schedules are judged by what they do, not by their order: each must run to the
+end (lablib's validator), hold no more activations than the schedule allows, and, simulated with the papers' unit
+times, leave exactly the papers' bubble. The executor's gradients are judged against one process and PyTorch's
+``torch.distributed.pipelining`` schedules on the same model (not under a seed: its first use costs seconds)."""
 from __future__ import annotations
 
 import random
@@ -280,7 +279,8 @@ def given_plans(world_size, seed) -> dict:
 
 
 def collect_execute(fns, pool, seed, plans):
-    return run_on_ranks(pool, "Task 5.4", ref.execute_job, fns[0], plans, seed, seed is None, hints=_HINTS)
+    share = ref.shares(pool.world_size, seed)  # each rank its stages' blocks, inputs and targets only
+    return run_on_ranks(pool, "Task 5.4", ref.execute_job, fns[0], plans, share, seed is None, hints=_HINTS)
 
 
 def _reference(seed):

@@ -4,6 +4,7 @@ lab's model, the checks' job (an executor run on every schedule, its gradients r
 PyTorch's), and the measured runs behind the notebook's timelines, bubble table and memory counts."""
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -61,18 +62,38 @@ def torch_job(name: str, m: int, v: int, seed: int = 0) -> dict:
             "order": [str(a) for a in order if a is not None] if order else None}
 
 
-def execute_job(execute_fn, plans: dict, seed=None, compare: bool = True) -> dict:
+def shares(p: int, seed=None):
+    """Each of ``p`` ranks' share of the check's model and batch, per v of CHECKED (a ``PerRank``): its stages'
+    blocks (None in place of the others'), the micro-batches' inputs where it holds the first stage and their
+    targets where it holds the last (zeros otherwise, for their shapes), made here from the seed."""
+    from ..pool import PerRank
+
+    xs, ys = data(WIDTH, ROWS, M, seed or 0)
+    blocks, out = list(model(WIDTH, seed=seed or 0)), []
+    for r in range(p):
+        mine = {}
+        for v in sorted({v for _, v in CHECKED}):
+            held, per = range(r, p * v, p), len(blocks) // (p * v)
+            mine[v] = ([b if i // per in held else None for i, b in enumerate(blocks)],
+                       xs if 0 in held else [torch.zeros_like(x) for x in xs],
+                       ys if p * v - 1 in held else [torch.zeros_like(y) for y in ys])
+        out.append(mine)
+    return PerRank(out)
+
+
+def execute_job(execute_fn, plans: dict, share: dict, compare: bool = True) -> dict:
     """The checks' job: the learner's executor on each CHECKED schedule (``plans``: {name: per rank its
-    actions}, lablib's schedules given as data, as the grading box holds no answers), and with
-    ``compare`` PyTorch's schedule of the same name on the same model. Per schedule: this rank's stages'
-    gradients, the messages it sent and received ("send 512": which, bytes), the actions its stages ran
-    ("F2/0": forward of micro-batch 2 on stage 0; "B", "BW" or "W"), what they still hold, and PyTorch's
-    gradients."""
+    actions}, lablib's schedules given as data, as the grading box holds no answers; ``share``: this rank's
+    part of ``shares``), and with ``compare`` PyTorch's schedule of the same name on the same model (the seed
+    0's). Per schedule: this rank's stages' gradients, the messages it sent and received ("send 512": which,
+    bytes), the actions its stages ran ("F2/0": forward of micro-batch 2 on stage 0; "B", "BW" or "W"), what they
+    still hold, and PyTorch's gradients."""
     r, p = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, v in CHECKED:
-        blocks = list(comm.to_device(model(WIDTH, seed=seed or 0)))
-        xs, ys = ([comm.to_device(t) for t in ts] for ts in data(WIDTH, ROWS, M, seed or 0))
+        blocks, xs, ys = copy.deepcopy(share[v])  # each schedule starts from the same weights, no gradient
+        blocks = [None if b is None else comm.to_device(b) for b in blocks]
+        xs, ys = ([comm.to_device(t) for t in ts] for ts in (xs, ys))
         stages = stages_of(r, p, v, blocks, xs, ys)
         # what is judged is held here, out of reach of the executor (which may change the dict and the stages)
         mine = dict(stages)
@@ -92,7 +113,7 @@ def execute_job(execute_fn, plans: dict, seed=None, compare: bool = True) -> dic
             w.wait()
         out[name] = {"grads": _grads(params), "ops": ops, "left": left, "unwaited": unwaited,
                      "ran": [f"{k}{mb}/{s}" for k, mb, s in record.actions()],
-                     "torch": torch_job(name, M, v, seed or 0)["grads"] if compare else None}
+                     "torch": torch_job(name, M, v, 0)["grads"] if compare else None}
     return out
 
 
