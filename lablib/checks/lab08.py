@@ -6,8 +6,11 @@ and every gradient after the first step, and an 8-step run's losses; a differenc
 ranks did, the axis whose group a collective used or the factor by which the gradients were scaled."""
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..pool import PerRank
 from ..strategies import compose as cp
 from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks, whose
 
@@ -124,7 +127,9 @@ check_mesh = Check("Task 8.1", ("mesh_groups",), collect_mesh, judge_mesh, forbi
 def collect_step(fns, pool, seed, checkpointed=None, meshes=None) -> dict:
     harness = cp.default_harness()  # in a grading box, lablib's answers made from the request's text, sent by value
     return {name: run_on_ranks(pool, "Task 8.2" if checkpointed is None else "Task 8.3", cp.step_job, fns[0], shape,
-                               seed or 0, STEPS, checkpointed, None, None, harness, hints=STEP_HINTS)
+                               0, STEPS, checkpointed, None, None, harness,  # each rank its own shards, no seed:
+                               PerRank([cp.rank_data(shape, r, seed or 0, STEPS) for r in range(math.prod(shape))]),
+                               hints=STEP_HINTS)
             for name, shape in (meshes or cp.MESHES).items()}
 
 

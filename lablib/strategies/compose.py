@@ -135,15 +135,11 @@ def shard(blocks, rank: int, shape) -> list[list[torch.Tensor]]:
 # -- lablib's part on one rank -----------------------------------------------------------------------------
 def default_harness() -> tuple:
     """(lab 04's tp_mlp, lab 05's execute, lab 05's one_f_one_b): lablib's answers, what a kit runs."""
-    from ..answers.lab04 import tp_mlp
-    from ..answers.lab05 import execute, one_f_one_b
-
-    return tp_mlp, execute, one_f_one_b
+    from ..answers import lab04, lab05
+    return lab04.tp_mlp, lab05.execute, lab05.one_f_one_b
 
 
-# id(kit) -> what its stages kept for their backwards, until step_job takes it: {"bytes": each micro-batch's
-# forward's, in order; "peak": the most held at once}
-_KEPT: dict[int, dict] = {}
+_KEPT: dict[int, dict] = {}  # id(kit) -> {"bytes": kept by each micro-batch's forward, "peak": most held at once}
 
 
 class Kit:
@@ -154,8 +150,7 @@ class Kit:
       refusing a group that reaches into another pipeline stage (whose ranks are not running this block: a hang);
     ``pipeline(forward, batches, loss, group)``: lab 05's executor, 1F1B over ``group``; see its docstring;
     ``params()``: every tensor of ``blocks``.
-    What its stages kept for their backwards is lablib's evidence, held in ``_KEPT`` (never on the kit, which
-    the learner's step is handed)."""
+    What its stages keep for their backwards is lablib's evidence, in ``_KEPT``: never on the kit, which is handed."""
 
     def __init__(self, blocks, pp_ranks: list[int], stage_ranks: list[int], checkpointed=None, harness=None):
         self.blocks, self._stage = blocks, stage_ranks
@@ -245,31 +240,39 @@ class _Stage:
 
 
 # -- the learner's step on the ranks -----------------------------------------------------------------------
+def rank_data(shape, rank: int, seed=0, steps: int = 1, size: dict | None = None) -> tuple:
+    """(the model's sizes, rank ``rank``'s shards of its blocks, flat, the global batches of ``steps`` steps): what
+    a rank of the mesh ``shape`` works on, which a check hands each rank (a PerRank) instead of the seed."""
+    s = size or size_for(seed)
+    mine = [t for b in shard(model(s["width"], s["hidden"], s["layers"], seed), rank, shape) for t in b]
+    return s, mine, [batch(s["rows"], s["width"], step, seed) for step in range(steps)]
+
+
 def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size: dict | None = None,
-             link=None, harness=None) -> dict:
+             link=None, harness=None, data=None) -> dict:
     """On each rank of a mesh of sizes ``shape``: ``steps`` steps of ``train_step(kit, x, y, groups,
-    micro_batches)`` on the global batches, SGD between them, the last on the timeline; ``link``: collectives
-    over a simulated link; ``harness``: what the kit runs of labs 04 and 05 (``default_harness()``). Returns each
-    step's loss as the step returned
-    it, the first step's gradients of this rank's shards, the collectives it issued ("op bytes on ranks"),
-    the bytes each micro-batch's forward kept and the most held at once, the bytes of weights and gradients the
-    rank held after the first step, and each step's seconds on the timeline's clock (over ``link``, each
-    collective lasting what the link's model says, Gloo's own time left out, as the timeline draws it)."""
+    micro_batches)`` on the global batches (``data``: this rank's ``rank_data``, else drawn from ``seed``), SGD
+    between them, the last on the timeline; ``link``: collectives over a simulated link; ``harness``: what the kit
+    runs of labs 04 and 05 (``default_harness()``). Returns each step's loss as the step returned it, the first
+    step's gradients of this rank's shards, the collectives it issued ("op bytes on ranks"), the bytes each
+    micro-batch's forward kept and the most held at once, the bytes of weights and gradients the rank held after
+    the first step, and each step's seconds on the timeline's clock (over ``link``, each collective lasting what
+    the link's model says, Gloo's own time left out, as the timeline draws it)."""
     import torch.distributed as dist
 
     from ..comm import to_device, watched
     from ..memory import storage_bytes
     from .prefetch import start_recording
 
-    rank, s = dist.get_rank(), size or size_for(seed)
+    rank, (s, mine, batches) = dist.get_rank(), data or rank_data(shape, dist.get_rank(), seed, steps, size)
     groups = mesh_groups(tuple(shape))
-    flat = to_device(*[t for b in shard(model(s["width"], s["hidden"], s["layers"], seed), rank, shape) for t in b])
+    flat = to_device(*mine)
     blocks = [[t.clone().requires_grad_() for t in flat[i:i + 4]] for i in range(0, len(flat), 4)]
     stage = [r for r in range(math.prod(shape)) if coords(r, shape)["pp"] == coords(rank, shape)["pp"]]
     kit = Kit(blocks, axis_ranks(rank, shape, "pp"), stage, checkpointed, harness)
     losses, grads, ops, seconds, states = [], None, None, [], 0
     for step in range(steps):
-        x, y = to_device(*batch(s["rows"], s["width"], step, seed))
+        x, y = to_device(*batches[step])
         start_recording() if step == steps - 1 else dist.barrier()  # the timeline holds the last step
         with comm.simulated(link):
             t0 = _now()  # the timeline's clock: over a simulated link, the link's time in place of Gloo's own
