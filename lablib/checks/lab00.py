@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..pool import PerRank
+from ..toy import generator
 from . import Check, CheckFailed, run_on_ranks
 
 TASK = "Task 0.1"
@@ -12,7 +13,7 @@ TASK = "Task 0.1"
 def inputs(world_size: int, seed: int | None = None) -> list[torch.Tensor]:
     if seed is None:
         return [torch.arange(4, dtype=torch.float32) * (r + 1) + r for r in range(world_size)]
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     numel = 3 + seed % 7
     return [torch.randn(numel, generator=g) * 10 for _ in range(world_size)]
 

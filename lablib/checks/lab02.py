@@ -9,9 +9,9 @@ import torch
 from ..comm import ring_steps
 from ..pool import PerRank
 from ..pool.failures import NCCL_RULES
+from ..rules.policy import COLLECTIVES
 from ..toy import generator
 from . import Check, CheckFailed, run_on_ranks
-from ..rules.policy import COLLECTIVES
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bfloat16": torch.bfloat16}
 

@@ -9,13 +9,13 @@ import re
 
 import torch
 
-from ..strategies import context_parallel as cp
 from ..pool import PerRank
 from ..pool.failures import NCCL_RULES
+from ..rules.policy import COLLECTIVES
+from ..strategies import context_parallel as cp
 from . import Check, CheckFailed, answers, call_local, max_error, not_done, run_on_ranks, whose
 from . import lab06_mistakes as mistakes
 from .lab06_ring import TOL, inputs, judge_ring as _judge_ring, pair as _pair, posted_first, ring_job, shape, shares
-from ..rules.policy import COLLECTIVES
 
 _OWN = {"scaled_dot_product_attention": "the lab builds attention from lablib.attend; SDPA is the reference it is "
                                         "checked against",

@@ -8,8 +8,9 @@ import random
 
 import torch
 
-from ..strategies import context_parallel as cp
 from ..pool import PerRank
+from ..strategies import context_parallel as cp
+from ..toy import generator
 from . import CheckFailed, max_error
 from . import lab06_mistakes as mistakes
 
@@ -29,7 +30,7 @@ def inputs(seed):
 
 
 def grad_out(seed):
-    return torch.randn(shape(seed), generator=torch.Generator().manual_seed(11 + (seed or 0)))
+    return torch.randn(shape(seed), generator=generator(11 + (seed or 0)))
 
 
 def pair(task, what, got):
@@ -48,6 +49,7 @@ def shares(seed, n: int, backward: bool) -> PerRank:
     q, k, v = inputs(seed)
     T = q.shape[-2]
     refs = {c: (cp.reference(q, k, v, c), cp.reference_lse(q, k, c)) for c in (False, True)} if backward else {}
+    dout = grad_out(seed) if backward else None
     per = []
     for r in range(n):
         mine = {"T": T}
@@ -55,7 +57,7 @@ def shares(seed, n: int, backward: bool) -> PerRank:
             rows = cp.positions(layout, r, n, T)
             share = {"qkv": [t[..., rows, :].contiguous() for t in (q, k, v)]}
             if backward:
-                share["dout"] = grad_out(seed)[..., rows, :].contiguous()
+                share["dout"] = dout[..., rows, :].contiguous()
                 for causal, (o, lse) in refs.items():
                     share[causal] = (o[..., rows, :].contiguous(), lse[..., rows].contiguous())
             mine[layout] = share

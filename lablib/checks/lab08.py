@@ -12,6 +12,7 @@ import torch
 
 from ..pool import PerRank
 from ..strategies import compose as cp
+from ..toy import generator
 from . import Check, CheckFailed, answers, call_local, max_error, run_on_ranks, whose
 
 _MESH = "the check compares your groups with init_device_mesh's: make them with dist.new_group"
@@ -343,7 +344,7 @@ def _memory_cases(seed) -> list:
     if seed is None:
         return [(M["Llama 2 7B"], L(64, 1, 1, 1, 16, False, 4096)), (M["Llama 3 70B"], L(8, 8, 4, 1, 32, False, 8192)),
                 (M["Llama 3 405B"], L(64, 8, 16, 1, 32, True, 8192)), (M["Llama 3 405B"], L(8, 8, 16, 16, 16, False, 131072))]
-    rng = torch.Generator().manual_seed(seed)
+    rng = generator(seed)
     out = []
     for _ in range(6):
         pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=rng))]  # noqa: E731

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..toy import generator
 from . import CheckFailed, not_done
 
 TOL = 1e-5
 
 
 def _block(seed: int):
-    g = torch.Generator().manual_seed(11 + seed)
+    g = generator(11 + seed)
     w1, w2 = torch.randn(8, 4, generator=g) / 2, torch.randn(4, 8, generator=g) / 3
     return w1, w2, torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
 

@@ -45,10 +45,9 @@ def run_box(request: list, course, held: tuple = ()) -> tuple[dict, str]:
         env = {"LABLIB_QUICK": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "LABLIB_GRADING": "1"}
         # The box writes into a tmpfs of its own and hands its results back over a pipe: no learner's files
         # reach the disk that every box, and the gradebook, share.
-        run = sandbox.run([sys.executable, "-m", "lablib.course.runner"], workdir=work, **box_view(answers_dir), env=env,
-                          limits=sandbox.Limits(seconds=course.time_limit, cpus=course.cpus), cwd=work,
-                          scratch=SCRATCH_BYTES,
-                          stdin=given, channel=RESULTS_BYTES)
+        run = sandbox.run([sys.executable, "-m", "lablib.course.runner"], workdir=work, **box_view(answers_dir),
+                          env=env, limits=sandbox.Limits(seconds=course.time_limit, cpus=course.cpus), cwd=work,
+                          scratch=SCRATCH_BYTES, stdin=given, channel=RESULTS_BYTES)
         wanted = {c["id"] for lab in request for c in lab["calls"]}
         records, duplicated, cells = {}, set(), []
         text = run.data.decode(errors="replace")

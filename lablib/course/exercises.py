@@ -317,7 +317,8 @@ def call_seed(secret: bytes, call_id: str) -> int:
     return int.from_bytes(digest, "big") >> 2
 
 
-def check_calls(release_nb, source_nb=None, secret: bytes = bytes(16)) -> tuple[dict[str, list[Call]], dict[str, float]]:
+def check_calls(release_nb, source_nb=None,
+                secret: bytes = bytes(16)) -> tuple[dict[str, list[Call]], dict[str, float]]:
     """({grade_id: [Call, ...]}, {grade_id: points}) from a trusted release (and its source's hidden
     checks). Raises ValueError when a graded cell holds no check call it can read."""
     from .release import _strip_regions

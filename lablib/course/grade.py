@@ -5,9 +5,10 @@ and docs/instructors.md.
 Per learner: every notebook is read as data (never run whole). exercises.py takes the exercise code and
 the check calls of the instructor's release (plus the hidden ones of the source), refuses code that
 breaks the rules, and executor.py, inside the box (sandbox.py) under its supervisor runner.py, runs the
-rest, compiled with the guards (rules/guards.py): the learner's definitions and each check's ``collect``. Here each check's ``judge`` reads the plain data (plain.py) and computes
-its own reference. Quizzes are scored from the answers file with the instructor's banks. A submission
-that cannot be read is graded "invalid: reason", and grading goes on with the next learner.
+rest, compiled with the guards (rules/guards.py): the learner's definitions and each check's ``collect``.
+Here each check's ``judge`` reads the plain data (plain.py) and computes its own reference. Quizzes are
+scored from the answers file with the instructor's banks. A submission that cannot be read is graded
+"invalid: reason", and grading goes on with the next learner.
 """
 from __future__ import annotations
 

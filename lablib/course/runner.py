@@ -4,10 +4,11 @@
 
 It reads the request (JSON, from grade.py on standard input), keeps the nonce, and starts the executor
 (executor.py: the learner's exercise code and the checks' collect step, and the ranks they start) as a new
-process, handing it the rest of the request and a pipe of its own. Each line the executor writes is passed on
-to grade.py under the nonce if it is a record of a call asked for (once each), or of a cell's error; nothing
-else gets through. No exercise code runs here, and none can address this process: the executor is a fresh
-program, not a fork, and holds neither the nonce nor this pipe. Nothing here judges: grade.py does, outside.
+process, handing it the rest of the request and a pipe of its own. Each line the executor writes is passed on to
+grade.py under the nonce if it is a record of a call asked for (a second one too: grade.py marks that check
+invalid), or of a cell's error; nothing else gets through. No exercise code runs here, and none can address this
+process: the executor is a fresh program, not a fork, and holds neither the nonce nor this pipe. Nothing here
+judges: grade.py does, outside.
 """
 from __future__ import annotations
 
@@ -38,13 +39,9 @@ def main() -> int:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if not isinstance(record, dict):
-                continue
-            if record.get("id") in wanted:
-                wanted.discard(record["id"])
-            elif (record.get("lab"), record.get("cell")) in cells and "id" not in record:
-                cells.discard((record["lab"], record["cell"]))
-            else:
+            asked = isinstance(record, dict) and (record.get("id") in wanted if "id" in record else
+                                                  (record.get("lab"), record.get("cell")) in cells)
+            if not asked:
                 continue
             out.write(json.dumps({**record, "nonce": nonce}) + "\n")
             out.flush()

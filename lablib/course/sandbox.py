@@ -10,9 +10,9 @@ command ends or runs out of time, everything it started is killed before ``run``
 
 ``scratch``: the work dir is then no host directory but a private tmpfs of that size at the same path (and
 /tmp and /dev/shm are ones of that size too), so nothing the box writes reaches the host's disk; where
-bwrap cannot size a tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the command, and ``channel`` opens a
-pipe back (its fd in LABLIB_RESULTS_FD) whose first ``channel`` bytes come back in ``Result.data``: what a
-box hands back need not touch a disk either.
+bwrap cannot size a tmpfs (before 0.7) it is charged to the memory limit. ``stdin`` is fed to the command,
+and ``channel`` opens a pipe back (its fd in LABLIB_RESULTS_FD) whose first ``channel`` bytes come back in
+``Result.data``: what a box hands back need not touch a disk either.
 
 Limits: the wall time always. Memory, processes (threads count) and CPU time through a child cgroup (v2, or
 v1's memory, pids and cpu hierarchies) where this process may make one; else memory per process with RLIMIT_AS

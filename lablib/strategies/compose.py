@@ -35,7 +35,7 @@ def size_for(seed) -> dict:
     and number of micro-batches."""
     if not seed:
         return dict(SIZE)
-    rng = torch.Generator().manual_seed(7 + seed)
+    rng = generator(7 + seed)
     pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=rng))]  # noqa: E731
     return dict(width=pick(8, 12, 24), hidden=pick(16, 24, 40), layers=pick(2, 4, 6), rows=pick(8, 16, 24),
                 micro_batches=pick(1, 2, 4))
@@ -81,7 +81,7 @@ def model(width: int, hidden: int, layers: int, seed: int = 0) -> list[list[torc
     is scaled by 1/sqrt(layers), so the residual stack starts near the identity at every depth: SGD at ``LR``
     then converges for every seed's size (unscaled, 4 seeds in 100 diverged within 6 steps, and a check's
     6-step losses, compared within 1e-4, then told valid orders of summation apart)."""
-    g = torch.Generator().manual_seed(100 + seed)
+    g = generator(100 + seed)
     out = []
     for _ in range(layers):
         out.append([torch.randn(hidden, width, generator=g) / width ** 0.5, torch.randn(hidden, generator=g) * 0.1,
@@ -290,8 +290,8 @@ def step_job(train_step, shape, seed=0, steps: int = 1, checkpointed=None, size:
                     t -= LR * t.grad
                 t.grad = None
     kept = _KEPT.pop(id(kit))
-    return {"losses": losses, "grads": grads, "ops": ops, "kept": kept["bytes"][:s["micro_batches"]], "peak": kept["peak"],
-            "states": states, "seconds": seconds}
+    return {"losses": losses, "grads": grads, "ops": ops, "kept": kept["bytes"][:s["micro_batches"]],
+            "peak": kept["peak"], "states": states, "seconds": seconds}
 
 
 # -- the planner's model of these meshes -------------------------------------------------------------------
