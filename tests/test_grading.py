@@ -625,7 +625,7 @@ def test_the_course_itself(tmp_path):
             (tmp_path / "subs" / learner / path.name).write_text(json.dumps(nb))
     results = grade(tmp_path / "subs", LABS, tmp_path / "gb.csv", SOURCES, jobs=2)
     checks = {(lab.learner, it.item): it for lab in results for it in lab.items if it.kind == "check"}
-    assert len(checks) == 3 * 35 and len(CELLS) == 35
+    assert len(checks) == 3 * 39 and len(CELLS) == 39
     for (learner, item), it in checks.items():
         if learner != "untouched":
             assert it.status == "passed", (learner, item, it.detail)

@@ -6,7 +6,7 @@ Per claim: the course's number and its anchor's, measured in the same run, their
 min-max over repetitions, and the target. ``--quick`` (about a minute on 2 cores) leaves out the
 whole-course runs (P2, P8); the full run takes about 10 minutes. With a GPU per rank it measures NCCL.
 
-The items live by what they measure: pool.py (P1, P7, P13, F), labs.py (P3-P6, P9-P12), course.py (P2, P8);
+The items live by what they measure: pool.py (P1, P7, P13, F), labs.py (P3-P6, P9-P12, P14), course.py (P2, P8);
 table.py prints and writes the table, rows.py holds what they share.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .course import p2_course, p8_grading
-from .labs import p3_collectives, p4_fsdp, p5_hidden, p6_pipeline, p9_tensor, p10_context, p11_experts, p12_composition
+from .labs import p3_collectives, p4_fsdp, p5_hidden, p6_pipeline, p9_tensor, p10_context, p11_experts, p12_composition, \
+    p14_precision
 from .pool import failures, p1_pool, p7_tracing, p13_strict
 from .rows import Row, Settings
 from .table import README_END, README_START, machine, table, write_readme
@@ -28,7 +29,7 @@ __all__ = ["ITEMS", "README_END", "README_START", "Row", "Settings", "machine", 
 ITEMS = {"P1": p1_pool, "P2": p2_course, "P3": p3_collectives, "P4": p4_fsdp, "P5": p5_hidden, "P6": p6_pipeline,
          "P7": p7_tracing,
          "P8": p8_grading, "P9": p9_tensor, "P10": p10_context, "P11": p11_experts,
-         "P12": p12_composition, "P13": p13_strict, "F": failures}
+         "P12": p12_composition, "P13": p13_strict, "P14": p14_precision, "F": failures}
 WHOLE_COURSE = ("P2", "P8")
 
 
@@ -53,7 +54,7 @@ def run(only=None, quick=False, reps=None, backend="auto") -> dict:
         if key not in chosen:
             why = "left out by --quick (a whole-course run)" if quick and key in WHOLE_COURSE else "not run (--only)"
             rows.append(Row(key, ITEMS[key].__name__, "", note=why))
-    order = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13", "F"]
+    order = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P9", "P10", "P11", "P12", "P13", "P14", "F"]
     rows.sort(key=lambda r: order.index(r.item))
     return {"machine": machine(backend), "quick": quick, "reps": s.reps, "rows": rows}
 

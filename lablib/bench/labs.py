@@ -3,7 +3,8 @@ against Gloo's collectives (P3, lab 02), FSDP with prefetching against FSDP2 (P4
 (P5, lab 03), the pipeline executor and its bubbles (P6, lab 05), the tensor-parallel block against
 DTensor (P9, lab 04), ring attention against single-process SDPA and the memory it keeps per rank (P10, lab 06), the
 expert-parallel layer against the dense layer and the all-gather dispatcher (P11, lab 07), the composed step with
-recomputation against keeping the activations (P12, lab 08)."""
+recomputation against keeping the activations (P12, lab 08), mixed precision against FSDP2's and a sharded
+checkpoint against DCP's (P14, lab 09)."""
 from __future__ import annotations
 
 import contextlib
@@ -248,3 +249,54 @@ def p12_ranking(s: Settings) -> Row:
               "runs agreeing", agreed, target="the same order, every run", note=f"the last run: {text}")
     row.met = bool(agreed) and min(agreed) == 1.0
     return row
+
+
+def p14_precision(s: Settings) -> list[Row]:
+    """Lab 09: its mixed-precision FSDP units (lab 09's solution) against FSDP2 with the same MixedPrecisionPolicy,
+    interleaved on one pool; its sharded save against DCP's on the same state; and the state bytes rank 0 holds
+    while saving, sharded against gathered to rank 0."""
+    import tempfile
+
+    from ..answers import lab09
+    from ..pool import Cluster
+    from ..strategies import checkpoint as ck, mixed
+
+    n, policy, diffs = 4, mixed.Policy(), []
+
+    def ours(c):
+        t = time.perf_counter()
+        got = c.run(mixed.train, lab09.mp_unshard, lab09.mp_reduce, policy, "wide8", 3)[0]["params"]
+        diffs.append(got)
+        return (time.perf_counter() - t) * 1e3
+
+    def theirs(c):
+        t = time.perf_counter()
+        got = c.run(mixed.fsdp2_train, policy, "wide8", 3)[0]["params"]
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(diffs.pop(), got)))
+        return (time.perf_counter() - t) * 1e3
+
+    a, b = side_by_side(s, n, ours, theirs)
+    what = f"3 steps of 8 layers of 512 × 512, {policy}, {n} ranks"
+    rows = [Row("P14", f"mixed-precision FSDP (lab 09's units) against FSDP2's MixedPrecisionPolicy, {what}", "ms", a, b,
+                "FSDP2 fully_shard, same policy, model and batches", "",
+                note=f"parameters after 3 steps differ by at most {max(diffs):.1e}; informational: one CPU's cores "
+                     "shared by the ranks")]
+    saves, dcps, held, own = [], [], [], []
+    with Cluster(n, backend=s.backend, timeout=60, quiet=True) as c:
+        for _ in range(s.reps):
+            with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as dcp_dir, \
+                    tempfile.TemporaryDirectory() as gather_dir:
+                saves.append(max(r["save"]["seconds"] for r in c.run(ck.train, lab09.save_shard, None, range(3),
+                                                                       ours_dir)) * 1e3)
+                dcps.append(max(r["seconds"] for r in c.run(ck.dcp_job, dcp_dir, True)) * 1e3)
+                g = c.run(ck.gather_job, gather_dir)[0]
+                held.append(g["held"])
+                own.append(g["own"])
+    rows.append(Row("P14", f"checkpoint save, each rank its own shards (lab 09's solution), slowest of {n} ranks, the mlp's "
+                    "parameters and momentum", "ms", saves, dcps, "torch.distributed.checkpoint.save, same state as "
+                    "DTensors", "", note="informational: a few KB per rank, so both are mostly fixed costs"))
+    row = Row("P14", f"state bytes rank 0 holds at most while saving, sharded against gathered to rank 0, {n} ranks",
+              "bytes", own, held, "every tensor gathered whole to rank 0", f"<= 1.5/{n} x")
+    row.met = row.ratio <= 1.5 / n
+    rows.append(row)
+    return rows

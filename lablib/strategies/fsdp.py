@@ -26,8 +26,16 @@ from .flat import FlatLayout, Unit, flat_grad
 from .harness import Optimizer
 
 
-def forward_backward(units: list[Unit], x, y, ctx, unshard: Callable, reshard: Callable):
-    """One ZeRO-3 forward and backward; leaves each unit's gradient shard in ``unit.grad``."""
+def reduce_mean(unit: Unit, full, ctx) -> None:
+    """``unit.grad``: this rank's shard of the gradient ``full``, averaged over the ranks."""
+    unit.grad = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)
+    comm.reduce_scatter(unit.grad, full, name="reduce_scatter grads")
+    unit.grad /= ctx.world_size
+
+
+def forward_backward(units: list[Unit], x, y, ctx, unshard: Callable, reshard: Callable, reduce: Callable = reduce_mean):
+    """One ZeRO-3 forward and backward; ``reduce(unit, full_gradient, ctx)`` leaves each unit's gradient shard in
+    ``unit.grad``. The units compute in their parameters' dtype, ``x``'s."""
     inputs, h = [], x
     with torch.no_grad():
         for i, u in enumerate(units):
@@ -49,10 +57,8 @@ def forward_backward(units: list[Unit], x, y, ctx, unshard: Callable, reshard: C
             out = u.module(inp)  # recompute the forward, this time recording the graph
             out.backward(grad)
             grad = inp.grad
-        full = flat_grad(u)
-        u.grad = torch.empty(u.layout.shard_numel, dtype=full.dtype, device=full.device)
-        comm.reduce_scatter(u.grad, full, name="reduce_scatter grads")
-        u.grad /= ctx.world_size
+        u.grad = None
+        reduce(u, flat_grad(u), ctx)
         reshard(u)
     return loss
 
