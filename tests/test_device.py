@@ -15,9 +15,10 @@ from lablib.labs import LABS
 from lablib.device_audit import Audit, DeviceRuleBroken, check_result
 from lablib.timeline import RECORDER
 from lablib.pool import backend
-from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, lab06, lab07, lab08, registered
+from lablib.answers import lab03 as fsdp_hooks, lab04 as tp_answers, lab05 as pp_answers, lab06, lab07, lab08, lab09, \
+    registered
 from lablib.strategies import compose, context_parallel as cp, experts, fsdp, pp_reference, prefetch, tensor_parallel as tp
-from lablib.strategies import tp_reference
+from lablib.strategies import accumulate, checkpoint, mixed, tp_reference
 
 
 @pytest.mark.parametrize("gpus, world_size, device, want", [
@@ -138,6 +139,15 @@ def test_the_labs_measurements_keep_the_device_rule(audited):
 
 def test_lab_08s_measurements_keep_the_device_rule(audited4):
     audited4.run(compose.step_job, lab08.train_step, compose.MESHES["TP×PP"], 0, 2, lab08.checkpointed)
+
+
+def test_lab_09s_measurements_keep_the_device_rule(audited, tmp_path):
+    audited.run(mixed.train, lab09.mp_unshard, lab09.mp_reduce, mixed.Policy(), "mlp", 1)
+    audited.run(mixed.reduction_job, (2,), numel=64)
+    audited.run(mixed.stall_job, torch.bfloat16, 2)
+    audited.run(accumulate.fsdp_job, 2, False, "mlp")
+    audited.run(checkpoint.train, lab09.save_shard, None, range(1), tmp_path)
+    audited.run(checkpoint.train, None, lab09.load_shard, range(1, 2), tmp_path, True)
 
 
 def _staged_collectives():

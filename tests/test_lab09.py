@@ -15,7 +15,7 @@ from lablib.answers import lab09 as A
 from lablib.checks import CheckFailed
 from lablib.checks.lab09 import check_accumulate, check_checkpoint, check_mp, check_scaling
 from lablib.pool import Cluster, PerRank
-from lablib.strategies import accumulate as acc, checkpoint as ck, mixed
+from lablib.strategies import accumulate as acc, checkpoint as ck, mixed, scaling
 from lablib.strategies.checkpoint import Folder
 
 
@@ -90,6 +90,8 @@ def test_the_folder_says_what_was_wrong(tmp_path):
         f.read("w.0", 3, 3)
     with pytest.raises(KeyError, match="entries"):
         f.read("v.0", 0, 1)
+    with pytest.raises(AttributeError):
+        f.read_bytes = 0  # the checks count with it
 
 
 # -- the checks: lablib's answers and learner-style solutions pass; mistakes are named -------------------------
@@ -186,6 +188,33 @@ def never_grows(grad, scaler, step):
     return True
 
 
+NOTEBOOK_OVERFLOWS = {n: sorted(scaling.cases(n)["spikes"]) for n in (2, 4)}
+CALLS = []
+
+
+def skips_where_the_notebook_overflowed(grad, scaler, step):
+    """Never asks the other ranks: skips at the steps where the notebook's case overflowed."""
+    CALLS.append(1)
+    if (len(CALLS) - 1) % 12 in NOTEBOOK_OVERFLOWS[dist.get_world_size()]:
+        scaler.scale *= scaler.backoff
+        scaler.good = 0
+        return False
+    step(grad.float() / scaler.scale)
+    scaler.good += 1
+    if scaler.good == scaler.growth_interval:
+        scaler.scale *= scaler.growth
+        scaler.good = 0
+    return True
+
+
+def test_the_overflows_come_where_the_seed_says_so_a_skip_learned_from_the_notebook_fails(cluster):
+    drawn = {tuple(scaling.cases(cluster.world_size, seed)["spikes"].items()) for seed in range(8)}
+    assert len(drawn) > 4
+    check_scaling(skips_where_the_notebook_overflowed, cluster)  # the notebook's own case: it passes
+    with pytest.raises(CheckFailed, match="at step"):
+        check_scaling(skips_where_the_notebook_overflowed, cluster, seed=3)
+
+
 def test_loss_scaling_mistakes_are_named(cluster):
     with pytest.raises(CheckFailed, match="each rank decided from its own shard"):
         check_scaling(local_decision, cluster)
@@ -228,7 +257,17 @@ def accumulate_every_time(model, micro_batches, loss_fn):
         p.grad = t
 
 
+def accumulate_reducing_the_running_sum(model, micro_batches, loss_fn):
+    for x, y in micro_batches:
+        (loss_fn(model(x), y) / len(micro_batches)).backward()
+        for p in model.parameters():
+            lablib.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 def test_accumulation_mistakes_are_named(cluster):
+    with pytest.raises(CheckFailed, match="once per micro-batch"):
+        check_accumulate(accumulate_reducing_the_running_sum, cluster)
     with pytest.raises(CheckFailed, match="not divided by the 3 micro-batches"):
         check_accumulate(accumulate_not_divided, cluster)
     with pytest.raises(CheckFailed, match="summed over the .* ranks, not averaged"):
@@ -245,7 +284,7 @@ def save_shard(folder, name, shard, start, numel):
 def load_shard(folder, name, rank, world_size):
     files = [e for e in folder.entries() if e.get("name") == name]
     size = -(-files[0]["numel"] // world_size)
-    out = torch.zeros(size)
+    out = torch.zeros(size, device=lablib.device())
     for e in files:
         a, b = max(rank * size, e["start"]), min((rank + 1) * size, e["start"] + e["count"])
         if a < b:
@@ -268,7 +307,7 @@ def load_whole_files(folder, name, rank, world_size):
     files = [e for e in folder.entries() if e.get("name") == name]
     whole = torch.cat([folder.read(e["key"], 0, e["count"]) for e in sorted(files, key=lambda e: e["start"])])
     size = -(-whole.numel() // world_size)
-    out = torch.zeros(size)
+    out = torch.zeros(size, device=lablib.device())
     part = whole[rank * size:(rank + 1) * size]
     out[:part.numel()] = part
     return out

@@ -66,7 +66,7 @@ def load_shard(folder, name, rank, world_size):
     numel = files[0]["numel"]
     size = -(-numel // world_size)
     lo, hi = rank * size, (rank + 1) * size
-    out = torch.zeros(size)
+    out = torch.zeros(size, device=comm.device())
     for e in files:
         a, b = max(lo, e["start"]), min(hi, e["start"] + e["count"])
         if a < b:

@@ -163,6 +163,13 @@ def judge_accumulate(data, world_size, seed) -> str:
     task, n, k = "Task 9.3", world_size, _micro(seed)
     ref = acc.reference(acc.rank_data(n, k, seed or 0))
     for r, res in enumerate(data):
+        sent, once = _bytes(res["ops"], "all_reduce"), res["param_bytes"]
+        if sent != once:
+            times = sent / once
+            raise CheckFailed(f"{task}: rank {r} all-reduced {sent} bytes, {times:.3g}× the gradients' {once}"
+                              + (f": once per micro-batch. Let the {k} micro-batches' gradients add up in p.grad, and "
+                                 "all-reduce once, after the last." if abs(times - k) < 1e-9 else
+                                 ": all-reduce each gradient once, after the last micro-batch."))
         if any(g is None for g in res["grads"]):
             raise CheckFailed(f"{task}: rank {r} left a parameter without a gradient: backward each micro-batch's "
                               "loss, and leave the averaged gradient in p.grad.")
@@ -176,13 +183,6 @@ def judge_accumulate(data, world_size, seed) -> str:
             near = next((text for f, text in why.items() if abs(ratio - f) < 0.05 * f), "")
             raise CheckFailed(f"{task}: rank {r}'s gradients differ from one process on the whole batch by {err:.2e}"
                               + (f"; they are {ratio:.3g}× it: {near}." if near else "."))
-        sent, once = _bytes(res["ops"], "all_reduce"), res["param_bytes"]
-        if sent != once:
-            times = sent / once
-            raise CheckFailed(f"{task}: rank {r} all-reduced {sent} bytes, {times:.3g}× the gradients' {once}"
-                              + (f": once per micro-batch. Let the {k} micro-batches' gradients add up in p.grad, and "
-                                 "all-reduce once, after the last." if abs(times - k) < 1e-9 else
-                                 ": all-reduce each gradient once, after the last micro-batch.") )
     return f" on {n} ranks: {k} micro-batches, one all-reduce of the gradients, equal to one process on the whole batch"
 
 

@@ -79,11 +79,16 @@ def collect_checkpoint(fns, pool, seed):
     state = tensors(seed)
     share = PerRank([{name: (shard(full, r, n), r * -(-full.numel() // n), full.numel()) for name, full in state.items()}
                      for r in range(n)])
-    path = tempfile.mkdtemp(prefix="lablib-ckpt-")
+    paths = pool.run(_folder)  # rank 0's is the checkpoint's: under torchrun every rank must see it (TMPDIR)
     try:
-        return run_on_ranks(pool, "Task 9.4", ckpt_job, *fns, path, share, _targets(n), hints=HINTS)
+        return run_on_ranks(pool, "Task 9.4", ckpt_job, *fns, paths[0], share, _targets(n), hints=HINTS)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _folder() -> str:
+    return tempfile.mkdtemp(prefix="lablib-ckpt-")
 
 
 def judge_checkpoint(data, world_size, seed) -> str:

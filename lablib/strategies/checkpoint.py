@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
+from ..timeline import span
 
 _KEY = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)}
@@ -30,10 +31,19 @@ class Folder:
     ``start``, read from the file's bytes and nothing more). Counts the bytes each rank wrote and read."""
 
     def __init__(self, path):
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.written = self.read_bytes = 0
-        self.reads: list[tuple] = []
+        self._path = Path(path)
+        self._path.mkdir(parents=True, exist_ok=True)
+        self._written = self._read = 0
+
+    @property
+    def written(self) -> int:
+        """Bytes of values this folder object wrote (read-only: the checks count with it)."""
+        return self._written
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes of values this folder object read."""
+        return self._read
 
     def write(self, key: str, tensor: torch.Tensor, **meta) -> None:
         """Write ``tensor`` (flat, its values as they are in memory) as file ``key``, with ``meta`` (ints and
@@ -48,17 +58,18 @@ class Folder:
             raise TypeError(f"write({key!r}, ...): metadata values are ints or strings; {', '.join(bad)} "
                             "is not (use int(...) on a number from a tensor)")
         data = tensor.detach().contiguous().cpu()
-        (self.path / f"{key}.bin").write_bytes(data.view(-1).view(torch.uint8).numpy().tobytes())
-        (self.path / f"{key}.json").write_text(json.dumps(
+        (self._path / f"{key}.bin").write_bytes(data.view(-1).view(torch.uint8).numpy().tobytes())
+        (self._path / f"{key}.json").write_text(json.dumps(
             {"key": key, "dtype": str(data.dtype), "count": data.numel(), **meta}))
-        self.written += data.nbytes
+        self._written += data.nbytes
 
     def entries(self) -> list[dict]:
         """Every file's metadata: ``key``, ``dtype``, ``count`` (values in it) and what its writer added."""
-        return sorted((json.loads(p.read_text()) for p in self.path.glob("*.json")), key=lambda e: e["key"])
+        return sorted((json.loads(p.read_text()) for p in self._path.glob("*.json")), key=lambda e: e["key"])
 
     def read(self, key: str, start: int, count: int) -> torch.Tensor:
-        """Values ``start`` .. ``start + count - 1`` of file ``key`` (only those bytes are read)."""
+        """Values ``start`` .. ``start + count - 1`` of file ``key`` (only those bytes are read), on this rank's
+        device (``lablib.device()``)."""
         meta = next((e for e in self.entries() if e["key"] == key), None)
         if meta is None:
             raise KeyError(f"no file {key!r} in the checkpoint; entries() lists its files")
@@ -67,12 +78,11 @@ class Folder:
             raise ValueError(f"read({key!r}, {start}, {count}): file {key!r} holds values 0 .. {meta['count'] - 1}")
         dtype = _DTYPES[meta["dtype"]]
         size = torch.empty((), dtype=dtype).element_size()
-        with open(self.path / f"{key}.bin", "rb") as f:
+        with open(self._path / f"{key}.bin", "rb") as f:
             f.seek(start * size)
             raw = f.read(count * size)
-        self.read_bytes += len(raw)
-        self.reads.append((key, start, count))
-        return torch.frombuffer(bytearray(raw), dtype=dtype).clone() if count else torch.empty(0, dtype=dtype)
+        self._read += len(raw)
+        return comm.to_device(torch.frombuffer(bytearray(raw), dtype=dtype) if count else torch.empty(0, dtype=dtype))
 
 
 def state_of(units) -> dict:
@@ -94,17 +104,24 @@ def save(save_shard, path, units) -> dict:
     """Each of this rank's shards through ``save_shard(folder, name, shard, start, numel)``."""
     folder = Folder(path)
     t = time.perf_counter()
-    _, ops = comm.watched(lambda: [save_shard(folder, name, *item) for name, item in state_of(units).items()])
+    with span("save checkpoint", bytes=state_bytes(units), op="checkpoint"):
+        _, ops = comm.watched(lambda: [save_shard(folder, name, *item) for name, item in state_of(units).items()])
     return {"written": folder.written, "ops": ops, "seconds": time.perf_counter() - t}
 
 
 def load(load_shard, path, units) -> dict:
     """This rank's shards of every tensor, at this world size, through ``load_shard(folder, name, rank,
     world_size)``, copied into the units."""
+    folder = Folder(path)
+    t = time.perf_counter()
+    with span("load checkpoint", op="checkpoint"):
+        _load_into(load_shard, folder, units)
+    return {"read": folder.read_bytes, "seconds": time.perf_counter() - t}
+
+
+def _load_into(load_shard, folder, units) -> None:
     import torch.distributed as dist
 
-    folder, got = Folder(path), {}
-    t = time.perf_counter()
     for name, (target, _, _) in state_of(units).items():
         value = load_shard(folder, name, dist.get_rank(), dist.get_world_size())
         if not isinstance(value, torch.Tensor) or value.numel() != target.numel():
@@ -112,8 +129,6 @@ def load(load_shard, path, units) -> dict:
                              f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}; "
                              f"this rank's shard at this world size is {target.numel()} values (zeros past the end)")
         target.copy_(value.to(target.dtype).view(-1))
-        got[name] = value
-    return {"read": folder.read_bytes, "reads": folder.reads, "seconds": time.perf_counter() - t}
 
 
 def global_batch(step: int, rows: int = 12, seed: int = 0) -> tuple:

@@ -36,16 +36,19 @@ class Scaler:
     growth: float = 2.0
 
 
-def cases(world_size: int, seed: int = 0, steps: int = 10) -> dict:
-    """Every rank's fp32 master shard and its true gradient shard at each step: small gradients, and spikes
-    that overflow fp16 once scaled, on one rank at a time (which rank and when drawn from ``seed``); one spike
-    is a NaN."""
+def cases(world_size: int, seed: int = 0, steps: int = 12) -> dict:
+    """Every rank's fp32 master shard and its true gradient shard at each step: small gradients, and spikes that
+    overflow fp16 once scaled, on one rank at a time. Which ranks and which steps are drawn from ``seed`` (a rank
+    cannot know another's): two overflows in a row early, then a NaN after a run of good steps long enough for
+    the scale to grow."""
     g = generator(29 + seed)
     numel = 6
     masters = [torch.randn(numel, generator=g) for _ in range(world_size)]
     grads = [[torch.randn(numel, generator=g) * 1e-2 for _ in range(world_size)] for _ in range(steps)]
-    picks = torch.randperm(world_size, generator=g).tolist()
-    spikes = {1: (picks[0], 2.0), 2: (picks[-1], 3.0), 7: (picks[len(picks) // 2], math.nan)}
+    first = 1 + int(torch.randint(3, (1,), generator=g))
+    last = first + 5 + int(torch.randint(steps - first - 6, (1,), generator=g))
+    picks = torch.randint(world_size, (3,), generator=g).tolist()
+    spikes = {first: (picks[0], 2.0), first + 1: (picks[1], 3.0), last: (picks[2], math.nan)}
     for k, (r, value) in spikes.items():
         grads[k][r][int(torch.randint(numel, (1,), generator=g))] = value
     return {"masters": masters, "grads": grads, "spikes": {k: r for k, (r, _) in spikes.items()}}

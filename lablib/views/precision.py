@@ -5,7 +5,8 @@ from __future__ import annotations
 from .layout import tidy
 
 
-def lines_figure(series: dict, title: str, xaxis: str, yaxis: str, log_y: bool = False, dash: tuple = ()):
+def lines_figure(series: dict, title: str, xaxis: str, yaxis: str, log_y: bool = False, log_x: bool = False,
+                 dash: tuple = ()):
     """``series``: {label: (xs, ys)}, one line each (dotted where the label is in ``dash``)."""
     import plotly.graph_objects as go
 
@@ -14,7 +15,7 @@ def lines_figure(series: dict, title: str, xaxis: str, yaxis: str, log_y: bool =
         fig.add_trace(go.Scatter(x=list(xs), y=list(ys), mode="lines+markers" if len(xs) < 20 else "lines",
                                  name=label, line=dict(dash="dot" if label in dash else None)))
     fig.update_layout(height=360, title=title, xaxis_title=xaxis, yaxis_title=yaxis,
-                      yaxis_type="log" if log_y else None, legend=dict(orientation="h", y=-0.2))
+                      yaxis_type="log" if log_y else None, xaxis_type="log" if log_x else None, legend=dict(orientation="h", y=-0.2))
     return tidy(fig)
 
 

@@ -39,6 +39,7 @@ OPS = {
     "broadcast": ("#999933", "BC", "broadcast"),
     "all_to_all": ("#44AA99", "A2A", "all-to-all"),
     "barrier": ("#BBBBBB", "", "barrier"),
+    "checkpoint": ("#117733", "CK", "checkpoint (files)"),
     "comm": ("#AA4499", "", "comm"),
     "idle": ("#DDDDDD", "", "marked idle"),
     "waiting": ("#D9D9D9", "", "waiting for a peer"),
