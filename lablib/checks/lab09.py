@@ -70,9 +70,10 @@ def judge_mp(data, world_size, seed) -> str:
                 raise CheckFailed(f"{task}: rank {r} returned no parameters.")
             err = max(max_error(a, b, f"{task}: rank {r}'s unit {i}") for i, (a, b) in enumerate(zip(got["params"], ref)))
             if err > tol:
-                delta = [p - w for p, w in zip(got["params"], mixed.reference(policy, world_size=n, data=rows, steps=0))]
-                step = [w - p0 for w, p0 in zip(ref, mixed.reference(policy, world_size=n, data=rows, steps=0))]
-                ratio = sum((d * s).sum() for d, s in zip(delta, step)) / sum((s * s).sum() for s in step)
+                start = mixed.reference(policy, world_size=n, data=rows, steps=0)
+                moved = [p - p0 for p, p0 in zip(got["params"], start)]
+                step = [w - p0 for w, p0 in zip(ref, start)]
+                ratio = sum((d * s).sum() for d, s in zip(moved, step)) / sum((s * s).sum() for s in step)
                 why = (f" The parameters moved about {ratio:.2f}× as far as they should: the gradient was summed over "
                        f"the {n} ranks, not averaged (divide by ctx.world_size)." if abs(ratio - n) < 0.3 * n else "")
                 raise CheckFailed(f"{task} ({policy}): after 3 steps rank {r}'s parameters differ from one process "
