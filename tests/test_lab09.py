@@ -92,6 +92,8 @@ def test_the_folder_says_what_was_wrong(tmp_path):
         f.read("v.0", 0, 1)
     with pytest.raises(AttributeError):
         f.read_bytes = 0  # the checks count with it
+    with pytest.raises(ValueError, match="dtype is the folder's own metadata"):
+        f.write("w.2", torch.zeros(1), dtype="float32")
 
 
 # -- the checks: lablib's answers and learner-style solutions pass; mistakes are named -------------------------
@@ -265,6 +267,11 @@ def accumulate_reducing_the_running_sum(model, micro_batches, loss_fn):
             p.grad /= dist.get_world_size()
 
 
+def test_with_as_many_micro_batches_as_ranks_both_causes_are_named():
+    with pytest.raises(CheckFailed, match="not divided by the 3 micro-batches or .* summed over the 3 ranks"):
+        check_accumulate(accumulate_not_divided, world_size=3, seed=4)
+
+
 def test_accumulation_mistakes_are_named(cluster):
     with pytest.raises(CheckFailed, match="once per micro-batch"):
         check_accumulate(accumulate_reducing_the_running_sum, cluster)
@@ -317,7 +324,14 @@ def load_no_padding(folder, name, rank, world_size):
     return load_shard(folder, name, rank, world_size)[:1]
 
 
+def load_after_a_barrier(folder, name, rank, world_size):
+    lablib.all_reduce(torch.zeros(1, device=lablib.device()))
+    return load_shard(folder, name, rank, world_size)
+
+
 def test_checkpoint_mistakes_are_named(cluster):
+    with pytest.raises(CheckFailed, match="nothing is gathered"):  # ranks loading for fewer ranks call it too
+        check_checkpoint(save_shard, load_after_a_barrier, cluster)
     with pytest.raises(CheckFailed, match="leave the padding past numel out"):
         check_checkpoint(save_with_padding, load_shard, cluster)
     with pytest.raises(CheckFailed, match="nothing is gathered"):

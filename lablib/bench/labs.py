@@ -261,21 +261,19 @@ def p14_precision(s: Settings) -> list[Row]:
     from ..pool import Cluster
     from ..strategies import checkpoint as ck, mixed
 
-    n, policy, diffs = 4, mixed.Policy(), []
+    n, policy, params = 4, mixed.Policy(), {"ours": [], "theirs": []}
 
-    def ours(c):
-        t = time.perf_counter()
-        got = c.run(mixed.train, lab09.mp_unshard, lab09.mp_reduce, policy, "wide8", 3)[0]["params"]
-        diffs.append(got)
-        return (time.perf_counter() - t) * 1e3
+    def timed_run(who, job, *args):
+        def run(c):
+            t = time.perf_counter()
+            params[who].append(c.run(job, *args, policy, "wide8", 3)[0]["params"])
+            return (time.perf_counter() - t) * 1e3
+        return run
 
-    def theirs(c):
-        t = time.perf_counter()
-        got = c.run(mixed.fsdp2_train, policy, "wide8", 3)[0]["params"]
-        diffs.append(max((a - b).abs().max().item() for a, b in zip(diffs.pop(), got)))
-        return (time.perf_counter() - t) * 1e3
-
+    ours = timed_run("ours", mixed.train, lab09.mp_unshard, lab09.mp_reduce)
+    theirs = timed_run("theirs", mixed.fsdp2_train)
     a, b = side_by_side(s, n, ours, theirs)
+    diffs = [max((x - y).abs().max().item() for x, y in zip(p, q)) for p, q in zip(params["ours"], params["theirs"])]
     what = f"3 steps of 8 layers of 512 × 512, {policy}, {n} ranks"
     rows = [Row("P14", f"mixed-precision FSDP (lab 09's units) against FSDP2's MixedPrecisionPolicy, {what}", "ms", a, b,
                 "FSDP2 fully_shard, same policy, model and batches", "",

@@ -53,6 +53,10 @@ class Folder:
                              "f\"{name}.{start}\"")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"write({key!r}, ...) takes a tensor, got {type(tensor).__name__}")
+        taken = sorted({"key", "dtype", "count"} & set(meta))
+        if taken:
+            raise ValueError(f"write({key!r}, ...): {', '.join(taken)} is the folder's own metadata (entries() gives "
+                             "it); name yours otherwise")
         bad = [k for k, v in meta.items() if not isinstance(v, (int, str)) or isinstance(v, bool)]
         if bad:
             raise TypeError(f"write({key!r}, ...): metadata values are ints or strings; {', '.join(bad)} "
@@ -139,25 +143,27 @@ def global_batch(step: int, rows: int = 12, seed: int = 0) -> tuple:
     return torch.randn(rows, 13, generator=g), torch.randn(rows, 7, generator=g)
 
 
-def train(save_shard=None, load_shard=None, steps=range(3), path=None, resume=False) -> dict:
-    """On the ranks: lablib's FSDP (fp32) on the mlp, each step's global batch split over the ranks. ``resume``:
-    the state is loaded from ``path`` first (``load_shard``); with ``save_shard`` it is saved there after the
-    last step. Returns the losses (the mean over the whole batch), and what the save and load counted."""
+def _units():
+    import torch.distributed as dist
+
+    from ..toy import build_model
+    from .mixed import SGD, Policy, units_for
+
+    return units_for(comm.to_device(build_model("mlp")), dist.get_rank(), dist.get_world_size(), SGD,
+                     Policy(torch.float32, torch.float32))
+
+
+def _train(units, steps) -> list[float]:
+    """lablib's FSDP (fp32) steps on ``units``, each step's global batch split over the ranks; the whole batch's
+    mean loss of each."""
     import torch.distributed as dist
 
     from ..answers.lab09 import mp_reduce, mp_unshard
-    from ..toy import build_model
     from .harness import Context
     from .mixed import SGD, Policy, step
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    policy, ctx = Policy(torch.float32, torch.float32), Context(rank, n, SGD)
-    from .mixed import units_for
-
-    units = units_for(comm.to_device(build_model("mlp")), rank, n, SGD, policy)
-    out = {"losses": []}
-    if resume:
-        out["load"] = load(load_shard, path, units)
+    policy, ctx, losses = Policy(torch.float32, torch.float32), Context(rank, n, SGD), []
     for k in steps:
         x, y = global_batch(k)
         rows = x.shape[0] // n
@@ -168,7 +174,20 @@ def train(save_shard=None, load_shard=None, steps=range(3), path=None, resume=Fa
             u.grad = None
         total = loss.detach().reshape(1).clone()
         comm.all_reduce(total, name="loss")
-        out["losses"].append(total.item() / n)
+        losses.append(total.item() / n)
+    return losses
+
+
+def train(save_shard=None, load_shard=None, steps=range(3), path=None, resume=False) -> dict:
+    """On the ranks: lablib's FSDP (fp32) on the mlp, each step's global batch split over the ranks. ``resume``:
+    the state is loaded from ``path`` first (``load_shard``); with ``save_shard`` it is saved there after the
+    last step. Returns the losses (the mean over the whole batch), and what the save and load counted."""
+    import torch.distributed as dist
+
+    units, out = _units(), {}
+    if resume:
+        out["load"] = load(load_shard, path, units)
+    out["losses"] = _train(units, steps)
     if save_shard is not None:
         dist.barrier()
         out["save"] = save(save_shard, path, units)
@@ -198,13 +217,11 @@ def dcp_job(path, save: bool, steps=range(3)) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..toy import build_model
-    from .mixed import SGD, Policy, units_for
-
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
     if save:
-        units = _trained(steps)
+        units = _units()
+        _train(units, steps)
         state = _dtensors(units, mesh)
         t = time.perf_counter()
         dcp.save(state, checkpoint_id=path)
@@ -213,7 +230,7 @@ def dcp_job(path, save: bool, steps=range(3)) -> dict:
         mine = {k: v for k, v in _files(path).items() if k.startswith(f"__{dist.get_rank()}_")
                 or (k == ".metadata" and dist.get_rank() == 0)}
         return {"seconds": seconds, "files": mine, "state": state_bytes(units)}
-    units = units_for(build_model("mlp"), dist.get_rank(), n, SGD, Policy(torch.float32, torch.float32))
+    units = _units()
     state = _dtensors(units, mesh)
     t = time.perf_counter()
     dcp.load(state, checkpoint_id=path)
@@ -225,40 +242,22 @@ def _files(path) -> dict:
     return {p.name: p.stat().st_size for p in Path(path).glob("*")} if Path(path).exists() else {}
 
 
-def _trained(steps):
-    from ..answers.lab09 import mp_reduce, mp_unshard
-    from ..toy import build_model
-    from .harness import Context
-    from .mixed import SGD, Policy, step, units_for
-    import torch.distributed as dist
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    policy, ctx = Policy(torch.float32, torch.float32), Context(rank, n, SGD)
-    units = units_for(build_model("mlp"), rank, n, SGD, policy)
-    for k in steps:
-        x, y = global_batch(k)
-        rows = x.shape[0] // n
-        step(units, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows], ctx, policy, mp_unshard, mp_reduce)
-        for u in units:
-            ctx.update(u, u.grad)
-    return units
-
-
 def gather_job(path, steps=range(3)) -> dict:
     """On the ranks: the same state saved by gathering every tensor whole to rank 0, which writes one file.
     Returns the seconds and the most bytes of state rank 0 held at once (its live tensors, counted)."""
     import torch.distributed as dist
 
-    units = _trained(steps)
+    units = _units()
+    _train(units, steps)
     rank, n = dist.get_rank(), dist.get_world_size()
     t = time.perf_counter()
     whole, held = {}, state_bytes(units)
     for name, (shard, _, numel) in state_of(units).items():
-        out = torch.empty(shard.numel() * n)
-        comm.all_gather(out, shard.contiguous(), name="gather to rank 0")  # Gloo has no gather of one tensor
+        out = torch.empty(shard.numel() * n, device=shard.device)
+        comm.all_gather(out, shard.contiguous(), name="gather to rank 0")  # lablib traces no gather: every rank gets it
         if rank == 0:
-            whole[name] = out[:numel].clone()
-            held = state_bytes(units) + sum(v.nbytes for v in whole.values())
+            held = max(held, state_bytes(units) + sum(v.nbytes for v in whole.values()) + out.nbytes)
+            whole[name] = out[:numel].cpu().clone()
         del out
     if rank == 0:
         torch.save(whole, os.path.join(path, "model.pt"))

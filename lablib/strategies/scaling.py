@@ -47,7 +47,9 @@ def cases(world_size: int, seed: int = 0, steps: int = 12) -> dict:
     grads = [[torch.randn(numel, generator=g) * 1e-2 for _ in range(world_size)] for _ in range(steps)]
     first = 1 + int(torch.randint(3, (1,), generator=g))
     last = first + 5 + int(torch.randint(steps - first - 6, (1,), generator=g))
-    picks = torch.randint(world_size, (3,), generator=g).tolist()
+    first_rank = 1 + int(torch.randint(world_size - 1, (1,), generator=g))  # never rank 0 alone: its flag is no
+    other = (first_rank + 1 + int(torch.randint(world_size - 1, (1,), generator=g))) % world_size  # broadcast
+    picks = [first_rank, other, int(torch.randint(world_size, (1,), generator=g))]
     spikes = {first: (picks[0], 2.0), first + 1: (picks[1], 3.0), last: (picks[2], math.nan)}
     for k, (r, value) in spikes.items():
         grads[k][r][int(torch.randint(numel, (1,), generator=g))] = value
