@@ -53,21 +53,24 @@ def ckpt_job(save_shard, load_shard, path, share, targets) -> dict:
     size this rank plays."""
     import torch.distributed as dist
 
-    from ..comm import to_device, watched
+    from ..comm import barrier, to_device, watched
+    from ..timeline import span
 
     r, n = dist.get_rank(), dist.get_world_size()
     folder = Folder(path)
     ops = []
     for name, (values, start, numel) in share.items():
-        _, sent = watched(save_shard, folder, name, to_device(values), start, numel)
+        with span(f"save {name}", op="checkpoint"):
+            _, sent = watched(save_shard, folder, name, to_device(values), start, numel)
         ops += sent
     written = folder.written
-    dist.barrier()
+    barrier(name="every rank saved")
     loads = {}
     for m in targets:
         for q in range(r, -(-m // n) * n, n):  # as many loads on every rank: a collective in one cannot hang
             got, reads = {}, Folder(path)
-            _, sent = watched(lambda: got.update({name: load_shard(reads, name, q % m, m) for name in share}))
+            with span(f"load for rank {q % m} of {m}", op="checkpoint"):
+                _, sent = watched(lambda: got.update({name: load_shard(reads, name, q % m, m) for name in share}))
             ops += sent
             if q < m:
                 loads[f"{q}/{m}"] = {"got": {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()},
