@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import flight
 from .device_audit import check_collective
 from .arguments import p_times, tensors
 from .splits import row_bytes, same_splits, splits
@@ -218,6 +219,7 @@ def _traced(name, nbytes, async_op, call, tensor, op, target=None, group=None, s
         meta["group"] = dist.get_process_group_ranks(group)
     if WATCH[0] is not None:
         WATCH[0].append((op, target, nbytes, meta.get("peer", meta.get("to")), meta.get("group")))
+    flight.record(op, tensor, nbytes, meta.get("group"), meta.get("peer"))
     back, device_target = None, target
     if (tensor.is_cuda or STAGE_CPU[0]) and _on_gloo(group):
         tensor, target, back = _staged(op, tensor, target)

@@ -63,6 +63,7 @@ class RankPool:
     def run(self, fn, *args, **kwargs):
         import torch.distributed as dist
 
+        from . import flight
         from .pool import RankError, groups
         from .pool import protocol as P
         from .pool.failures import failure_message
@@ -73,6 +74,7 @@ class RankPool:
         args, kwargs = P.for_rank(args, kwargs, dist.get_rank(), self.world_size)  # this rank's share of each PerRank
         dist.barrier()
         groups.job_started()
+        flight.started()
         self.origin_ns = time.perf_counter_ns()
         RECORDER.start()
         try:  # shipped as a Cluster's ranks ship their values: tensors come back on the CPU

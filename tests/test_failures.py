@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from procs import HUNG, alive, wait_gone
 
+import lablib
 from lablib import RankError
 
 
@@ -104,6 +105,34 @@ def test_hang_is_reported_not_waited_out(fragile, fn, expect):
 
 def _computes_for_a_long_time():
     time.sleep(3600)
+
+
+def _skips_a_collective():
+    lablib.all_reduce(torch.ones(4))
+    if dist.get_rank() == 0:
+        lablib.all_gather(torch.empty(4 * dist.get_world_size()), torch.ones(4))
+
+
+def _reorders_two():
+    first, second = (lambda: lablib.all_reduce(torch.ones(4))), (lambda: lablib.broadcast(torch.ones(2), 0))
+    for call in (first, second) if dist.get_rank() == 0 else (second, first):
+        call()
+
+
+def test_a_hangs_report_says_what_each_rank_last_issued(fragile):
+    """The flight recorder: each stopped rank's last lablib calls of the job, in the report and as data."""
+    n = fragile.world_size
+    with pytest.raises(RankError) as info:
+        fragile.run(_skips_a_collective)
+    assert f"rank 0: #1 all_reduce 16 B (float32 (4,)), #2 all_gather 16 B (float32 (4,))" in str(info.value)
+    assert [e[:3] for e in info.value.flight(0)] == [(1, "all_reduce", 16), (2, "all_gather", 16)]
+    assert info.value.flight(1) == []  # it finished: nothing stopped it
+    with pytest.raises(RankError) as info:
+        fragile.run(_reorders_two)  # a new job: its records start again at #1
+    assert [e[1] for e in info.value.flight(0)] == ["all_reduce"]
+    assert all([e[1] for e in info.value.flight(r)] == ["broadcast"] for r in range(1, n))
+    assert "rank 1: #1 broadcast 8 B" in str(info.value)
+    assert fragile.run(lambda: 1) == [1] * n
 
 
 def test_a_job_past_its_time_limit_is_stopped(fragile):

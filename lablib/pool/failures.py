@@ -29,6 +29,13 @@ class RankError(RuntimeError):
     def ranks(self):
         return sorted(set(self.failures) | set(self.unfinished))
 
+    def flight(self, rank) -> list:
+        """What ``rank`` last issued of lablib's collectives and messages in the job, oldest first: entries
+        ``(seq, op, nbytes, dtype, shape, group, peer)`` (``lablib.flight``); [] for a rank that finished, or
+        was killed."""
+        f = self.failures.get(rank)
+        return list(f.flight) if f else []
+
     def exception(self, rank):
         """The exception object raised on ``rank`` (None when it could not be sent back)."""
         f = self.failures.get(rank)
@@ -111,6 +118,8 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
                      "the same collectives in the same order, with matching shapes, and every member of a group "
                      "(dist.new_group) must join each collective on it; lablib.cluster(n, debug=True) names the "
                      "first mismatch at once.")
+    if {"timeout", "stopped"} & set(cats.values()):
+        lines += _flight_lines(failures)
     making = sorted(r for r in ranks if _op(failures[r]) in _GROUP_OPS and cats[r] != "error")
     if making and not any(f.type == "GroupMismatch" for f in failures.values()):
         lines.append(f"Hint: rank(s) {_join(making)} did not get past making a process group: {RULE}.")
@@ -118,6 +127,17 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
     for filename, name in (cells or {}).items():
         text = text.replace(f'File "{filename}", line', f"{name}, line")
     return text
+
+
+def _flight_lines(failures, last: int = 3) -> list[str]:
+    """Each failed rank's last lablib calls (its flight recorder), for a report of a hang."""
+    from ..flight import line
+
+    kept = {r: f.flight for r, f in sorted(failures.items()) if f.flight}
+    if not kept:
+        return []
+    return [f"What each rank last issued (lablib's flight recorder, oldest first; RankError.flight(rank) has "
+            f"more):"] + [f"  rank {r}: " + ", ".join(line(e) for e in entries[-last:]) for r, entries in kept.items()]
 
 
 def _op(f: Failure) -> str:

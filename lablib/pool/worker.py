@@ -174,7 +174,7 @@ def describe(exc: BaseException) -> P.Failure:
 
     import cloudpickle
 
-    from .. import device_audit, gputime
+    from .. import device_audit, flight, gputime
 
     tb = exc.__traceback__
     wrappers = (__file__, device_audit.__file__, gputime.__file__)
@@ -195,7 +195,7 @@ def describe(exc: BaseException) -> P.Failure:
     except Exception as inner:  # an exception whose __str__ itself fails must still be reported
         message = f"<str() of the {type(exc).__name__} failed: {type(inner).__name__}: {inner}>"
     return P.Failure(type(exc).__name__, message, "".join(te.format()), blob, op,
-                     isinstance(exc, KeyboardInterrupt), time.perf_counter_ns())
+                     isinstance(exc, KeyboardInterrupt), time.perf_counter_ns(), flight.entries())
 
 
 def run_job(me: _Rank, job: P.Job) -> P.Done:
@@ -203,7 +203,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
 
     import torch.distributed as dist
 
-    from .. import p2p
+    from .. import flight, p2p
     from ..device_audit import audited
     from ..gputime import timed_on_device
     from ..timeline import RECORDER
@@ -216,6 +216,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
         me.ensure_process_group(job.gen, job.debug)
         groups.job_started()
         p2p.job_started(job.job_id)
+        flight.started()
         fn, args, kwargs = P.unship(job.payload)
         if os.environ.get("LABLIB_DEVICE") == "cuda":  # the tensors a job is given arrive on its device
             import torch
