@@ -136,8 +136,8 @@ def _flight_lines(failures, last: int = 3) -> list[str]:
     kept = {r: f.flight for r, f in sorted(failures.items()) if f.flight}
     if not kept:
         return []
-    return [f"What each rank last issued (lablib's flight recorder, oldest first; RankError.flight(rank) has "
-            f"more):"] + [f"  rank {r}: " + ", ".join(line(e) for e in entries[-last:]) for r, entries in kept.items()]
+    return ["What each rank last issued (lablib's flight recorder, oldest first; RankError.flight(rank) has "
+            "more):"] + [f"  rank {r}: " + ", ".join(line(e) for e in entries[-last:]) for r, entries in kept.items()]
 
 
 def _op(f: Failure) -> str:
