@@ -178,6 +178,15 @@ def watched(fn, *args, works: list | None = None, peers: bool = False, groups: b
         WATCH[0] = WORKS[0] = None
 
 
+def op_bytes(ops) -> dict[str, int]:
+    """``watched``'s list ("all_reduce 3072", ...) as the bytes each kind of call took in, summed."""
+    out: dict[str, int] = {}
+    for op in ops:
+        kind, nbytes = op.split()[:2]
+        out[kind] = out.get(kind, 0) + int(nbytes)
+    return out
+
+
 def _peer(peer) -> str:
     return "/".join(map(str, peer)) if isinstance(peer, (list, tuple)) else str(peer)
 

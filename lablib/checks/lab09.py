@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import op_bytes
 from ..pool import PerRank
 from ..strategies import accumulate as acc, harness, mixed, scaling
 from ..strategies.flat import FlatLayout
@@ -17,10 +18,6 @@ HINTS = (("expected all tensors to be on the same device", "a tensor made withou
          ("dtype", "a collective's input and output must have one dtype: all_gather into unit.flat (param_dtype) a "
           "shard cast to param_dtype; reduce-scatter into a tensor of the dtype you send."),)
 _POLICIES = (mixed.Policy(torch.bfloat16, torch.float32), mixed.Policy(torch.bfloat16, torch.bfloat16))
-
-
-def _size(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 # -- Task 9.1: mixed precision on FSDP's units --------------------------------------------------------------
@@ -35,7 +32,7 @@ def collect_mp(fns, pool, seed):
 
 
 def _bytes(ops, kind: str) -> int:
-    return sum(int(op.split()[1]) for op in ops if op.split()[0] == kind)
+    return op_bytes(ops).get(kind, 0)
 
 
 def judge_mp(data, world_size, seed) -> str:
@@ -46,7 +43,7 @@ def judge_mp(data, world_size, seed) -> str:
         res = data[str(policy)]
         for r, got in enumerate(res):
             ops = got["ops"]
-            gathered, want_g = _bytes(ops, "all_gather"), 2 * sum(shard) * _size(policy.param_dtype)
+            gathered, want_g = _bytes(ops, "all_gather"), 2 * sum(shard) * policy.param_dtype.itemsize
             if gathered != want_g:
                 fp32 = gathered == 2 * want_g
                 raise CheckFailed(f"{task} ({policy}): rank {r}'s all-gathers took in {gathered} bytes in a step; "
@@ -54,7 +51,7 @@ def judge_mp(data, world_size, seed) -> str:
                                   "before its forward and again before its backward)." + (
                                       " That is twice: you gathered the fp32 shard. Cast before the all-gather: "
                                       "half the bytes on the wire." if fp32 else ""))
-            reduced, want_r = _bytes(ops, "reduce_scatter"), n * sum(shard) * _size(policy.reduce_dtype)
+            reduced, want_r = _bytes(ops, "reduce_scatter"), n * sum(shard) * policy.reduce_dtype.itemsize
             if reduced != want_r:
                 raise CheckFailed(f"{task} ({policy}): rank {r}'s reduce-scatters took in {reduced} bytes; {want_r} "
                                   f"expected, every unit's padded gradient in {policy.reduce_dtype}: " + (

@@ -90,7 +90,6 @@ def fsdp_job(micro_batches: int, sync_each: bool, model_name: str = "wide8") -> 
         last[0] = k == micro_batches - 1
         x, y = comm.to_device(*batch(model_name, k, rank))
         _, ops = comm.watched(step, units, x, y, ctx, policy, mp_unshard, reduce, False)
-        for op in ops:
-            kind, nbytes = op.split()
-            sent[kind] = sent.get(kind, 0) + int(nbytes)
+        for kind, nbytes in comm.op_bytes(ops).items():
+            sent[kind] = sent.get(kind, 0) + nbytes
     return {"bytes": sent, "held_grad_bytes": held[0]}

@@ -81,7 +81,7 @@ class Folder:
         if start < 0 or count < 0 or start + count > meta["count"]:
             raise ValueError(f"read({key!r}, {start}, {count}): file {key!r} holds values 0 .. {meta['count'] - 1}")
         dtype = _DTYPES[meta["dtype"]]
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         with open(self._path / f"{key}.bin", "rb") as f:
             f.seek(start * size)
             raw = f.read(count * size)
