@@ -59,15 +59,22 @@ MODELS = {
 }
 
 
-_SEEDING = threading.Lock()
+_DRAWS = threading.RLock()
+
+
+def draws():
+    """Torch's global generator held by this thread while inside: the grader judges learners in threads
+    (``lablib grade --jobs``), and a judge that builds a layer draws from that generator, seeded or not.
+    A draw in another thread between two of ``seeded``'s would build other weights than the ranks did, so
+    the grader runs each judge, and each check's given data, inside this (course/exercises.Call)."""
+    return _DRAWS
 
 
 @contextmanager
 def seeded(seed: int):
-    """Torch's global generator seeded with ``seed`` for what is built inside, one thread at a time: the
-    grader judges learners in threads (``lablib grade --jobs``), and two threads seeding at once would
-    interleave their draws and build other weights than the ranks did."""
-    with _SEEDING:
+    """Torch's global generator seeded with ``seed`` for what is built inside, one thread at a time
+    (``draws``)."""
+    with _DRAWS:
         torch.manual_seed(seed % (1 << 64))
         yield
 

@@ -714,6 +714,45 @@ def test_judges_in_threads_build_the_weights_the_ranks_built():
                 assert all(torch.equal(a, b) for a, b in zip(got, alone[seed])), seed
 
 
+def test_the_grader_judges_one_at_a_time(monkeypatch):
+    """A judge may draw from torch's global generator outside ``seeded`` (lab 04's judge built DTensor's
+    layers with nn.Linear, whose initialisation draws): in threads, that draw landed between another
+    judge's seeded ones, whose reference bias then differed from the ranks'. The grader runs every judge
+    and every check's given data inside toy.draws, so no other thread draws meanwhile."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from lablib.course.exercises import Call
+    from lablib.strategies import tp_reference
+
+    inside, overlaps = [0], []
+    lock = threading.Lock()
+
+    def judge(data, world_size, seed):
+        with lock:
+            inside[0] += 1
+            overlaps.append(inside[0])
+        torch.nn.Linear(64, 64)  # a draw outside seeded
+        time.sleep(0.01)
+        with lock:
+            inside[0] -= 1
+        return "ok"
+
+    monkeypatch.setattr(Call, "spec", lambda self: type("Spec", (), {"judge": staticmethod(judge)})())
+    calls = [Call(f"check-1.1#{i}", "check-1.1", "lab01", "check", (), 2, i, False) for i in range(16)]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda c: c.judge({}), calls)) == ["ok"] * 16
+    assert max(overlaps) == 1
+
+    ff, att = tp_reference.layers(0)  # and lab 04's DTensor layers draw nothing: they are loaded anyway
+    torch.manual_seed(1)
+    tp_reference.MLP(ff), tp_reference.SplitQKV(att)
+    assert torch.equal(torch.rand(4), torch.manual_seed(1) and torch.rand(4))
+
+
 def test_the_runner_takes_its_request_on_stdin_and_answers_over_a_pipe():
     """The request holds what checks are given (lablib's schedules for Task 5.4, say): it comes on standard
     input, which the runner reads whole and replaces with /dev/null, and is never a file; each result goes

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..checks import Check
 from ..rules.policy import GLOBALS, SAFE_BUILTINS, module_aliases, problems, top_names
+from ..toy import draws
 from .notebook import BEGIN_HIDDEN, END_HIDDEN, grade_info
 
 
@@ -44,7 +45,14 @@ class Call:
 
     def given(self) -> str | None:
         """The check's given data for this call (``Check.given``), encoded for the box; None without."""
-        return _given(self.module, self.check, self.world_size, self.seed)
+        with draws():
+            return _given(self.module, self.check, self.world_size, self.seed)
+
+    def judge(self, data) -> str:
+        """The check's judge on the data this call's ranks returned: one judge at a time in the grader's
+        threads, as a judge may build layers from torch's global generator (``toy.draws``)."""
+        with draws():
+            return self.spec().judge(data, self.world_size, self.seed)
 
 
 @functools.lru_cache(maxsize=256)  # the same calls for every learner of a grading run

@@ -296,7 +296,7 @@ def judge(lab: LabResult, gid: str, calls, records: dict, name: str, points: flo
         if "error" in record:
             return Item(lab.learner, lab.lab, gid, "check", 0.0, points, "failed", str(record["error"]) + which)
         try:
-            texts.append(call.spec().judge(loads(record["data"]), call.world_size, call.seed))
+            texts.append(call.judge(loads(record["data"])))
         except CheckFailed as exc:
             return Item(lab.learner, lab.lab, gid, "check", 0.0, points, "failed", f"{exc}{which}")
         except (NotPlain, ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError) as exc:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from .. import comm
 from ..comm import to_device
@@ -142,7 +143,7 @@ class MLP(nn.Module):
 
     def __init__(self, ff: FeedForward):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(WIDTH, FFN), nn.Linear(FFN, WIDTH)
+        self.fc1, self.fc2 = skip_init(nn.Linear, WIDTH, FFN), skip_init(nn.Linear, FFN, WIDTH)
         self.load_state_dict({k: v for k, v in ff.state_dict().items() if k.startswith("fc")})
 
     def forward(self, x):
@@ -156,8 +157,8 @@ class SplitQKV(nn.Module):
 
     def __init__(self, att: Attention):
         super().__init__()
-        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
-        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.q, self.k, self.v = (skip_init(nn.Linear, WIDTH, WIDTH) for _ in range(3))
+        self.proj = skip_init(nn.Linear, WIDTH, WIDTH)
         with torch.no_grad():
             for layer, w, b in zip((self.q, self.k, self.v), att.qkv.weight.chunk(3), att.qkv.bias.chunk(3)):
                 layer.weight.copy_(w)
@@ -231,7 +232,7 @@ def dtensor_block_job(steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
         def __init__(self):
             super().__init__()
             self.ln1, self.ln2, self.ff = att.ln, ff.ln, ff
-            self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+            self.q, self.k, self.v = (skip_init(nn.Linear, d, d) for _ in range(3))
             self.proj = att.proj
             with torch.no_grad():
                 for layer, w, b in zip((self.q, self.k, self.v), att.qkv.weight.chunk(3), att.qkv.bias.chunk(3)):
