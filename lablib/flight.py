@@ -5,30 +5,82 @@ NCCL, ``TORCH_NCCL_TRACE_BUFFER_SIZE``).
 An entry is plain data, ``(seq, op, nbytes, dtype, shape, group, peer)``: ``seq`` counts this rank's calls in
 the job from 1, ``group`` the ranks of a sub-group's collective (None: every rank), ``peer`` a message's other
 rank. ``RankError.flight`` returns them per rank.
+
+A pool's rank also writes each entry into a small file of its pool's (``LABLIB_FLIGHT``, one slot per entry,
+mapped into memory), which the parent reads when a job fails: so the record of a rank that finished, or
+that Gloo aborted for a mismatched collective, or that was killed, is read as well as a stuck one's.
 """
 from __future__ import annotations
 
+import ast
+import mmap
+import os
 from collections import deque
 
 SIZE = 32  # entries kept per rank
+SLOT = 256  # bytes per entry in the file: 2 of length, then the entry's repr (read back as a literal)
 _RING: deque = deque(maxlen=SIZE)
 _SEQ = [0]
+_FILE: list = []  # [mmap] on a pool's rank
+
+
+def _mapped():
+    if not _FILE:
+        path = os.environ.get("LABLIB_FLIGHT")
+        if not path:
+            _FILE.append(None)
+        else:
+            with open(path, "w+b") as f:
+                f.truncate(SIZE * SLOT)
+                _FILE.append(mmap.mmap(f.fileno(), SIZE * SLOT))
+    return _FILE[0]
 
 
 def started() -> None:
     """On a rank, before each job: an empty record."""
     _RING.clear()
     _SEQ[0] = 0
+    m = _mapped()
+    if m is not None:
+        m[:] = bytes(SIZE * SLOT)
 
 
 def record(op: str, tensor, nbytes: int, group=None, peer=None) -> None:
     _SEQ[0] += 1
-    _RING.append((_SEQ[0], op, int(nbytes), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                  tuple(group) if group else None, peer if peer is None or isinstance(peer, int) else tuple(peer)))
+    entry = (_SEQ[0], op, int(nbytes), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+             tuple(group) if group else None, peer if peer is None or isinstance(peer, int) else tuple(peer))
+    _RING.append(entry)
+    m = _mapped()
+    if m is not None:
+        data = repr(entry).encode()
+        if len(data) <= SLOT - 2:
+            at = (entry[0] - 1) % SIZE * SLOT
+            m[at + 2:at + 2 + len(data)] = data
+            m[at:at + 2] = len(data).to_bytes(2, "little")
 
 
 def entries() -> tuple:
     return tuple(_RING)
+
+
+def read(path) -> tuple:
+    """In the parent: the entries a rank's file holds, oldest first (() when it holds none)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SIZE * SLOT)
+    except OSError:
+        return ()
+    got = []
+    for at in range(0, len(raw) - SLOT + 1, SLOT):
+        size = int.from_bytes(raw[at:at + 2], "little")
+        if 0 < size <= SLOT - 2:
+            try:
+                entry = ast.literal_eval(raw[at + 2:at + 2 + size].decode())
+            except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+                continue  # a slot the rank was writing when it died
+            if isinstance(entry, tuple) and len(entry) == 7 and isinstance(entry[0], int):
+                got.append(entry)
+    return tuple(sorted(got, key=lambda e: e[0]))
 
 
 def line(entry) -> str:

@@ -120,19 +120,36 @@ def _reorders_two():
 
 
 def test_a_hangs_report_says_what_each_rank_last_issued(fragile):
-    """The flight recorder: each stopped rank's last lablib calls of the job, in the report and as data."""
+    """The flight recorder: each rank's last lablib calls of the job, in the report and as data; a rank
+    that finished, or that Gloo aborted, as well as the stopped ones (the pool reads each rank's file)."""
     n = fragile.world_size
     with pytest.raises(RankError) as info:
         fragile.run(_skips_a_collective)
     assert f"rank 0: #1 all_reduce 16 B (float32 (4,)), #2 all_gather 16 B (float32 (4,))" in str(info.value)
     assert [e[:3] for e in info.value.flight(0)] == [(1, "all_reduce", 16), (2, "all_gather", 16)]
-    assert info.value.flight(1) == []  # it finished: nothing stopped it
+    assert [e[:3] for e in info.value.flight(1)] == [(1, "all_reduce", 16)]  # it finished after #1
+    assert "rank 1: #1 all_reduce 16 B (float32 (4,))" in str(info.value)
     with pytest.raises(RankError) as info:
         fragile.run(_reorders_two)  # a new job: its records start again at #1
     assert [e[1] for e in info.value.flight(0)] == ["all_reduce"]
     assert all([e[1] for e in info.value.flight(r)] == ["broadcast"] for r in range(1, n))
     assert "rank 1: #1 broadcast 8 B" in str(info.value)
     assert fragile.run(lambda: 1) == [1] * n
+
+
+def _mismatched_sizes():
+    lablib.all_reduce(torch.ones(3 if dist.get_rank() == 0 else 4))
+
+
+def test_the_flight_of_a_rank_gloo_aborted_is_read_too(fragile):
+    """Gloo aborts a rank that receives more than its collective expects (SIGABRT: nothing is sent back):
+    its flight recorder comes from the file it wrote before the call."""
+    with pytest.raises(RankError) as info:
+        fragile.run(_mismatched_sizes)
+    for r in range(fragile.world_size):
+        assert [e[1:3] for e in info.value.flight(r)] == [("all_reduce", 12 if r == 0 else 16)]
+    assert "rank 0: #1 all_reduce 12 B (float32 (3,))" in str(info.value)
+    assert fragile.run(lambda: 1) == [1] * fragile.world_size
 
 
 def test_a_job_past_its_time_limit_is_stopped(fragile):

@@ -38,6 +38,7 @@ import time
 import weakref
 from multiprocessing.connection import Listener
 
+from .. import flight
 from ..paths import ROOT
 from ..timeline import Timeline
 from . import protocol as P
@@ -224,6 +225,7 @@ class Cluster:
                    LABLIB_PARENT_PID=str(os.getpid()), LABLIB_RANK=str(rank), LABLIB_WORLD_SIZE=str(self.world_size),
                    LABLIB_THREADS=str(self.threads), LABLIB_BACKEND=self.backend, LABLIB_DEVICE=self.device, LABLIB_TIMEOUT=str(self.timeout),
                    LABLIB_ADDRESS=self._listener.address, LABLIB_AUTHKEY=self._authkey.hex(),
+                   LABLIB_FLIGHT=self._flight_file(rank),
                    LABLIB_STORE_HOST="127.0.0.1", LABLIB_STORE_PORT=str(self._store.port),
                    PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")
         with self._spawning:
@@ -344,6 +346,8 @@ class Cluster:
                 if not job.stop_pressed():
                     break
         self._drain_output(0.0)
+        if job.failures:  # before a killed rank's restart empties its file
+            job.flights = {r: flight.read(self._flight_file(r)) for r in range(self.world_size)}
         for rank in job.killed:
             self._spawn(rank)  # restarted in the background; the next run waits for it
         if job.failures or job.killed or job.interrupted:
@@ -356,6 +360,9 @@ class Cluster:
                   "for the next run.", file=sys.stderr)
             raise KeyboardInterrupt
         return job.outcome()
+
+    def _flight_file(self, rank) -> str:
+        return os.path.join(self._tmpdir.name, f"flight-{rank}")
 
     def _interrupt(self, ranks):
         for rank in ranks:

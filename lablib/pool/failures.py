@@ -16,14 +16,16 @@ class RankError(RuntimeError):
     """One or more ranks failed or did not finish.
 
     ``failures`` maps rank -> ``Failure`` (type, message, traceback, ...); ``unfinished`` lists the ranks
-    that were stopped; ``results`` holds the values of the ranks that finished (None elsewhere).
+    that were stopped; ``results`` holds the values of the ranks that finished (None elsewhere);
+    ``flights`` each rank's flight recorder (``flight``).
     """
 
-    def __init__(self, message, failures=None, unfinished=(), results=None):
+    def __init__(self, message, failures=None, unfinished=(), results=None, flights=None):
         super().__init__(message)
         self.failures: dict[int, Failure] = failures or {}
         self.unfinished = list(unfinished)
         self.results = results
+        self.flights = _flights(self.failures, flights)
 
     @property
     def ranks(self):
@@ -31,10 +33,9 @@ class RankError(RuntimeError):
 
     def flight(self, rank) -> list:
         """What ``rank`` last issued of lablib's collectives and messages in the job, oldest first: entries
-        ``(seq, op, nbytes, dtype, shape, group, peer)`` (``lablib.flight``); [] for a rank that finished, or
-        was killed."""
-        f = self.failures.get(rank)
-        return list(f.flight) if f else []
+        ``(seq, op, nbytes, dtype, shape, group, peer)`` (``lablib.flight``), whether it failed, finished,
+        died or was killed ([] under torchrun for a rank that finished)."""
+        return list(self.flights.get(rank, ()))
 
     def exception(self, rank):
         """The exception object raised on ``rank`` (None when it could not be sent back)."""
@@ -94,8 +95,13 @@ def _send_recv_hint(ops: set) -> str:
             "the send and the receive together as one lablib.exchange and wait on it.")
 
 
+def _flights(failures: dict, flights: dict | None) -> dict:
+    """Every rank's entries: the pool's files where it read them, else what each failed rank sent."""
+    return {r: tuple(f.flight) for r, f in failures.items() if f.flight} | {r: e for r, e in (flights or {}).items() if e}
+
+
 def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float,
-                    cells: dict | None = None) -> str:
+                    cells: dict | None = None, flights: dict | None = None) -> str:
     """Root cause first (the earliest real error), then one line per other rank, then tracebacks, in
     which a notebook cell's file is named as IPython names it (``cells``: {file: "Cell In[5]"})."""
     cats = {r: category(f) for r, f in failures.items()}
@@ -118,8 +124,8 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
                      "the same collectives in the same order, with matching shapes, and every member of a group "
                      "(dist.new_group) must join each collective on it; lablib.cluster(n, debug=True) names the "
                      "first mismatch at once.")
-    if {"timeout", "stopped"} & set(cats.values()):
-        lines += _flight_lines(failures)
+    if {"timeout", "stopped", "Stuck", "WorkerDied", "lost peer"} & set(cats.values()):
+        lines += _flight_lines(_flights(failures, flights))
     making = sorted(r for r in ranks if _op(failures[r]) in _GROUP_OPS and cats[r] != "error")
     if making and not any(f.type == "GroupMismatch" for f in failures.values()):
         lines.append(f"Hint: rank(s) {_join(making)} did not get past making a process group: {RULE}.")
@@ -129,11 +135,11 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
     return text
 
 
-def _flight_lines(failures, last: int = 3) -> list[str]:
-    """Each failed rank's last lablib calls (its flight recorder), for a report of a hang."""
+def _flight_lines(flights: dict, last: int = 3) -> list[str]:
+    """Each rank's last lablib calls (its flight recorder), for a report of a hang."""
     from ..flight import line
 
-    kept = {r: f.flight for r, f in sorted(failures.items()) if f.flight}
+    kept = {r: entries for r, entries in sorted(flights.items()) if entries}
     if not kept:
         return []
     return ["What each rank last issued (lablib's flight recorder, oldest first; RankError.flight(rank) has "

@@ -88,6 +88,7 @@ class Job:
         self.pool, self.job_id = pool, job_id
         self.pending = set(range(pool.world_size))
         self.results, self.failures, self.raw_spans, self.killed = {}, {}, {}, set()
+        self.flights = {}  # rank -> its flight recorder's entries, read when the job failed
         self.first_ok = self.first_error = self.stop_sent = None
         self.interrupted, self.stop_reason = False, ""
         self.started = time.monotonic()
@@ -163,7 +164,7 @@ class Job:
         if self.failures:
             ordered = [values.get(r) for r in range(self.pool.world_size)]
             message = failure_message(self.failures, set(values) - set(self.failures), self.stop_reason,
-                                      self.pool.world_size, self.pool.timeout, cell_names())
+                                      self.pool.world_size, self.pool.timeout, cell_names(), self.flights)
             stopped = [r for r, f in self.failures.items() if category(f) in ("stopped", "Stuck")]
-            raise RankError(message, self.failures, stopped, ordered)
+            raise RankError(message, self.failures, stopped, ordered, self.flights)
         return [values[r] for r in range(self.pool.world_size)]
