@@ -63,6 +63,16 @@ def entries() -> tuple:
     return tuple(_RING)
 
 
+def file(folder: str, rank: int) -> str:
+    """Where a pool's rank ``rank`` writes its entries (the pool's own folder)."""
+    return os.path.join(folder, f"flight-{rank}")
+
+
+def read_all(folder: str, world_size: int) -> dict:
+    """In the parent, once a job failed (before a killed rank's restart empties its file): {rank: entries}."""
+    return {r: read(file(folder, r)) for r in range(world_size)}
+
+
 def read(path) -> tuple:
     """In the parent: the entries a rank's file holds, oldest first (() when it holds none)."""
     try:

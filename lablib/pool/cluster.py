@@ -45,7 +45,7 @@ from . import protocol as P
 from . import zygote
 from .backend import describe_backend, resolve_backend, resolve_device
 from .failures import signal_name
-from .job import LOST, Job, StopButton, cell_sources, noise, print_output
+from .job import LOST, Job, StopButton, cell_sources, heard, print_output
 
 START_TIMEOUT = 120.0  # seconds for a new worker to import torch and say hello
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -225,7 +225,7 @@ class Cluster:
                    LABLIB_PARENT_PID=str(os.getpid()), LABLIB_RANK=str(rank), LABLIB_WORLD_SIZE=str(self.world_size),
                    LABLIB_THREADS=str(self.threads), LABLIB_BACKEND=self.backend, LABLIB_DEVICE=self.device, LABLIB_TIMEOUT=str(self.timeout),
                    LABLIB_ADDRESS=self._listener.address, LABLIB_AUTHKEY=self._authkey.hex(),
-                   LABLIB_FLIGHT=self._flight_file(rank),
+                   LABLIB_FLIGHT=flight.file(self._tmpdir.name, rank),
                    LABLIB_STORE_HOST="127.0.0.1", LABLIB_STORE_PORT=str(self._store.port),
                    PYTHONPATH=os.pathsep.join(dict.fromkeys(path)), PYTHONUNBUFFERED="1")
         with self._spawning:
@@ -278,11 +278,8 @@ class Cluster:
     def _pipe_loop(self, w, stream, pipe):
         for line in iter(pipe.readline, b""):
             text = line.decode(errors="replace")
-            if noise(text):
-                continue
-            if stream == "stderr" and text.strip() and not text.startswith("[W"):  # c10d warnings are noise here
-                w.last_words.append(text.strip())
-            self._events.put((w, P.Out(stream, text)))
+            if heard(w, stream, text):
+                self._events.put((w, P.Out(stream, text)))
         pipe.close()
 
     def _wait_ready(self):
@@ -346,8 +343,7 @@ class Cluster:
                 if not job.stop_pressed():
                     break
         self._drain_output(0.0)
-        if job.failures:  # before a killed rank's restart empties its file
-            job.flights = {r: flight.read(self._flight_file(r)) for r in range(self.world_size)}
+        job.flights = flight.read_all(self._tmpdir.name, self.world_size) if job.failures else {}  # before restarts
         for rank in job.killed:
             self._spawn(rank)  # restarted in the background; the next run waits for it
         if job.failures or job.killed or job.interrupted:
@@ -360,9 +356,6 @@ class Cluster:
                   "for the next run.", file=sys.stderr)
             raise KeyboardInterrupt
         return job.outcome()
-
-    def _flight_file(self, rank) -> str:
-        return os.path.join(self._tmpdir.name, f"flight-{rank}")
 
     def _interrupt(self, ranks):
         for rank in ranks:

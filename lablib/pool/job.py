@@ -26,6 +26,21 @@ _NOISE = ("USDT:", "[Gloo] Rank ")
 _NOISE_IN = ("gpuGetDeviceCount failed",)
 
 
+# and a C++ abort's own lines (Gloo's "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+# "  what(): ... Received data size doesn't match expected size"): kept as the rank's last words, which the
+# report of its death quotes, not printed as they come as well
+_LAST_WORDS_ONLY = ("terminate called after throwing", "  what():")
+
+
+def heard(w, stream: str, text: str) -> bool:
+    """A line rank ``w`` printed: kept among its last words (stderr), and whether to print it in the cell now."""
+    if noise(text):
+        return False
+    if stream == "stderr" and text.strip() and not text.startswith("[W"):  # c10d warnings are noise here
+        w.last_words.append(text.strip())
+    return not (stream == "stderr" and text.startswith(_LAST_WORDS_ONLY))
+
+
 def noise(text: str) -> bool:
     """Whether a line a rank printed is noise to a learner (``_NOISE``)."""
     return text.startswith(_NOISE) or any(part in text for part in _NOISE_IN)
