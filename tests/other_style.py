@@ -806,4 +806,52 @@ def load_shard(folder, name, rank, world_size):
             pieces[lo - first:hi - first] = folder.read(meta["key"], lo - meta["start"], hi - lo)
     return pieces
 ''',
+    "03cc0f27": '''\
+def diverged(named):
+    world = dist.get_world_size()
+    sums = torch.zeros(len(named), dtype=torch.int64)
+    for i, (_, param) in enumerate(named):
+        as_ints = param.detach().flatten().view(torch.int32).long()
+        weights = torch.arange(as_ints.numel()) + 1
+        sums[i] = torch.sum(as_ints * weights)
+    table = torch.zeros(world * len(named), dtype=torch.int64)
+    lablib.all_gather(table, sums)
+    table = table.reshape(world, len(named))
+    differs = table != table[0]
+    for i, (name, _) in enumerate(named):
+        if differs[:, i].any():
+            return name, differs[:, i].nonzero().flatten().tolist()
+    return None
+''',
+    "cf84b683": '''\
+def factor(got, want):
+    g = got.reshape(-1).to(torch.float64)
+    w = want.reshape(-1).to(torch.float64)
+    ww = torch.dot(w, w)
+    if ww == 0:
+        return 1.0 if torch.count_nonzero(g) == 0 else None
+    c = (torch.dot(g, w) / ww).item()
+    residual = torch.linalg.vector_norm(g - c * w)
+    if residual > 1e-3 * torch.linalg.vector_norm(g):
+        return None
+    return c
+''',
+    "bedc25e6": '''\
+def first_mismatch(flights):
+    by_seq = {}
+    for rank, entries in flights.items():
+        by_seq[rank] = dict((entry[0], entry) for entry in entries)
+    starts = [min(seqs) for seqs in by_seq.values() if seqs]
+    ends = [max(seqs) for seqs in by_seq.values() if seqs]
+    if not starts:
+        return None
+    seq = max(starts)
+    while seq <= max(ends):
+        here = {rank: seqs.get(seq) for rank, seqs in by_seq.items()}
+        kinds = [None if e is None else tuple(e[1:6]) for e in here.values()]
+        if any(k != kinds[0] for k in kinds):
+            return seq, here
+        seq += 1
+    return None
+''',
 }

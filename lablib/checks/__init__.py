@@ -63,6 +63,15 @@ def whose(fns: Mapping, tasks: Mapping[str, str], doing: str = "Measuring") -> s
     return mine
 
 
+def yours_of(lab: str, fns: Mapping) -> dict:
+    """``fns`` (the learner's functions, by name) as a lab's measurement runs them: the learner's where its
+    task's check passed in this process, lablib's answer (``lab``'s) for the others (``whose``)."""
+    A = answers(lab)
+    tasks = {name: task for task, names in A.TASKS.items() for name in names if name in fns}
+    mine = whose(fns, tasks)
+    return {k: fns[k] if k in mine else getattr(A, k) for k in fns}
+
+
 class NotDone(CheckFailed):
     """The exercise still raises NotImplementedError."""
 
@@ -200,6 +209,7 @@ class Check:
     given: Callable | None = None          # given(world_size, seed) -> plain data collect gets as its 4th
                                            # argument: what it needs of lablib's answers, computed outside the box
     after: tuple = ()                      # earlier tasks whose functions it runs too (lab 03's 3.2 runs 3.1's)
+    pool_only: str = ""                    # why it runs on a lablib pool only, not under torchrun (lablib.run)
 
     def inputs(self, world_size, seed) -> tuple:
         """collect's arguments after (fns, pool, seed): the given data, if the check has any."""

@@ -34,7 +34,7 @@ TORCH = _words("""
     matmul mm bmm mv dot vdot outer inner einsum tensordot addmm baddbmm addmv kron cross trace
     eq ne lt le gt ge equal allclose isclose isfinite isinf isnan isneginf isposinf nan_to_num logical_and
     logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not
-    autograd nn distributed cuda
+    autograd nn distributed cuda linalg
 """)
 
 MODULES: dict[str, frozenset] = {
@@ -51,6 +51,7 @@ MODULES: dict[str, frozenset] = {
         get_rank get_world_size get_group_rank get_global_rank get_process_group_ranks get_backend is_initialized
         ReduceOp new_group"""),
     "torch.cuda": _words("is_available synchronize current_device device_count"),
+    "torch.linalg": _words("vector_norm matrix_norm norm"),
     "math": _words("""
         pi e tau inf nan ceil floor trunc sqrt isqrt exp expm1 log log2 log10 log1p pow fabs fmod copysign
         sin cos tan asin acos atan atan2 sinh cosh tanh erf erfc gamma lgamma hypot dist gcd lcm comb perm
