@@ -39,5 +39,5 @@ LABS = (
     Lab("07_experts", "lab07", ("experts",)),
     Lab("08_composition", "lab08", ("compose", "planner"), builds_on=("lab04", "lab05")),
     Lab("09_precision_checkpoints", "lab09", ("mixed", "scaling", "accumulate", "checkpoint")),
-    Lab("10_finding_bugs", "lab10", ("bugs", "hangs")),
+    Lab("10_finding_bugs", "lab10", ("bugs", "hangs", "probe")),
 )

@@ -854,4 +854,13 @@ def first_mismatch(flights):
         seq += 1
     return None
 ''',
+    "6bd7f503": '''\
+def reduction_error(reduce, x, group):
+    size = dist.get_world_size(group)
+    gathered = torch.zeros(size, x.numel(), dtype=torch.float64, device=x.device)
+    lablib.all_gather(gathered.view(-1), x.to(torch.float64), group=group)
+    reference = gathered.sum(dim=0)
+    result = reduce(x).to(torch.float64)
+    return (torch.linalg.vector_norm(result - reference) / torch.linalg.vector_norm(reference)).item()
+''',
 }

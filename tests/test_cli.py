@@ -98,7 +98,7 @@ def test_doctor_notes_a_cuda_build_on_a_machine_without_a_gpu():
 
 
 def test_a_cuda_build_without_a_gpu_does_not_print_kineto_s_complaint_in_a_cell():
-    from lablib.pool.cluster import noise
+    from lablib.pool.job import noise
 
     # what the profiler of a CUDA build prints at each start on a machine with no GPU (lab 03, section 7)
     assert noise("WARNING:2026-12-01 10:00:00 1234:1234 DeviceUtil.cpp:39] gpuGetDeviceCount failed with code 35\n")

@@ -1,6 +1,7 @@
 """Lab 10's answers: the detectors that find the bugs of distributed training. A checksum of every replica,
 compared across ranks; the factor a gradient is off by against one process; the first point at which the
-ranks' flight recorders disagree (the broken steps are ``strategies.bugs`` and ``strategies.hangs``)."""
+ranks' flight recorders disagree; a reduction's error against the exact sum (the broken steps are
+``strategies.bugs``, ``strategies.hangs`` and ``strategies.probe``)."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,8 @@ import torch.distributed as dist
 
 from .. import comm
 
-TASKS = {"Task 10.1": ("diverged",), "Task 10.2": ("factor",), "Task 10.3": ("first_mismatch",)}
+TASKS = {"Task 10.1": ("diverged",), "Task 10.2": ("factor",), "Task 10.3": ("first_mismatch",),
+         "Task 10.4": ("reduction_error",)}
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
@@ -55,3 +57,13 @@ def first_mismatch(flights):
         if len(kinds) > 1:
             return seq, at
     return None
+
+
+def reduction_error(reduce, x, group):
+    """The relative error of ``reduce(x)`` (the step's sum of x over ``group``) against the exact sum of every
+    rank's x in the group, made in float64."""
+    n = dist.get_world_size(group)
+    every = torch.empty(n * x.numel(), dtype=torch.float64, device=x.device)
+    comm.all_gather(every, x.double(), group=group, name="all_gather exact")
+    exact = every.view(n, -1).sum(0)
+    return float((reduce(x).double() - exact).norm() / exact.norm())

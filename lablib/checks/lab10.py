@@ -1,7 +1,8 @@
 """Lab 10 (finding the bugs of distributed training): Task 10.1 (replica checksums), 10.2 (the factor a
 gradient is off by) and 10.3 (the first point at which the ranks' flight recorders disagree), each run on
 broken steps (``strategies.bugs``, ``strategies.hangs``) and judged against the truth found from what the ranks
-returned, on hidden variants of each bug (another parameter, rank, factor) beside the notebook's."""
+returned, on hidden variants of each bug (another parameter, rank, factor) beside the notebook's; and 10.4
+(each axis's reduction against the exact sum)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import torch
 
 from ..comm import op_bytes
 from ..pool import Cluster
-from ..strategies import bugs, hangs
+from ..strategies import bugs, hangs, probe
 from . import Check, CheckFailed, answers, call_local, run_on_ranks, yours_of
 
 FORBIDDEN = {
@@ -136,7 +137,7 @@ def collect_flights(fns, pool, seed):
     out = {}
     for case in hangs.CASES + (hangs.HIDDEN if seed is not None else ()):
         if case == "one fewer":  # it waits for the pool's timeout: a pool of its own, with a short one
-            with Cluster(pool.world_size, backend=pool.backend, timeout=1.0, quiet=True, device=pool.device) as short:
+            with Cluster(pool.world_size, backend=pool.backend, timeout=2.0, quiet=True, device=pool.device) as short:
                 flights = hangs.flights(short, case, seed or 0)
         else:
             flights = hangs.flights(pool, case, seed or 0)
@@ -179,6 +180,49 @@ check_first_mismatch = Check("Task 10.3", ("first_mismatch",), collect_flights, 
                                  "its steps hang and make Gloo abort ranks on purpose, which a lablib pool's ranks "
                                  "survive (they are restarted) and torchrun's do not: run it in the notebook"))
 """Task 10.3: the first point at which the ranks' flight recorders disagree."""
+
+
+# -- Task 10.4: the precision probe ---------------------------------------------------------------------------
+def collect_probe(fns, pool, seed):
+    cases = list(probe.CASES) + (list(probe.HIDDEN) if seed is not None else [])
+    return {case: run_on_ranks(pool, "Task 10.4", probe.job, *fns, case, seed or 0) for case in cases}
+
+
+def judge_probe(data, world_size, seed) -> str:
+    task, seen = "Task 10.4", {}
+    for case, res in data.items():
+        for r, got in enumerate(res):
+            for axis, one in got.items():
+                exact = sum(res[q][axis]["x"].double() for q in one["ranks"])
+                true = float((one["reduced"].double() - exact).norm() / exact.norm())
+                said = _number(one["said"])
+                where = f"{task} ({case}): rank {r}, the {axis} reduction"
+                if said is None or said == "?":
+                    raise CheckFailed(f"{where}: reduction_error returned {one['said']!r}; return its relative error "
+                                      "as a number (a Python float).")
+                seen[case, axis] = true
+                if true > 1e-5 and said < 1e-5:
+                    raise CheckFailed(f"{where} rounds: its error is {true:.2e}, and reduction_error said {said:.2e}. "
+                                      "Compare reduce(x) with the exact sum, made from every rank's x in the group in "
+                                      "float64 (lablib.all_gather(out, x.double(), group=group), then sum): a sum made "
+                                      "the step's way rounds the same way.")
+                everyone = sum(other[axis]["x"].double() for other in res)
+                if len(one["ranks"]) < len(res) and abs(said - float((one["reduced"].double() - everyone).norm()
+                                                                     / everyone.norm())) < 0.05 * said:
+                    raise CheckFailed(f"{where}: its error is {true:.2e}, and reduction_error said {said:.2e}: the "
+                                      "error against the sum over every rank. The exact sum is over the group's ranks "
+                                      "only, the ones reduce sums over: lablib.all_gather(out, x.double(), group=group).")
+                if abs(said - true) > 0.05 * max(true, 1e-5):
+                    raise CheckFailed(f"{where}: its error is {true:.3e}, and reduction_error said {said:.3e}: the "
+                                      "relative error of the whole tensor, |reduce(x) - exact| / |exact| (norms).")
+    worst = max(seen, key=seen.get)
+    return (f" on {world_size} ranks: each axis's reduction against the exact sum, in {len(data)} step{'s' * (len(data) > 1)} (the "
+            f"largest error: {seen[worst]:.1e}, the {worst[1]} reduction of \"{worst[0]}\")")
+
+
+check_probe = Check("Task 10.4", ("reduction_error",), collect_probe, judge_probe, world_sizes=(2, 4),
+                    forbidden=FORBIDDEN)
+"""Task 10.4: each reduction of a step against the exact sum."""
 
 
 def yours(**fns) -> dict:

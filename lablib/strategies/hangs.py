@@ -96,7 +96,7 @@ def flights(pool, case: str, seed: int = 0) -> dict:
         return {r: err.flight(r) for r in range(pool.world_size)}
 
 
-def pytorch_record(case: str, seed: int = 0, timeout_s: float = 1.0) -> tuple:
+def pytorch_record(case: str, seed: int = 0, timeout_s: float = 2.0) -> tuple:
     """On a rank: ``case``'s step on a new group with PyTorch's own Flight Recorder on (``TORCH_FR_BUFFER_SIZE``;
     on Gloo it records each collective as scheduled, without durations) and a short timeout, so a rank that
     waits raises and reads it. Returns (lablib's entries, PyTorch's as [(op, input shape)] on that group)."""
@@ -104,15 +104,20 @@ def pytorch_record(case: str, seed: int = 0, timeout_s: float = 1.0) -> tuple:
     import pickle
     from datetime import timedelta
 
+    def dump() -> list:
+        return pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
+
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    before = max((e["record_id"] for e in dump()), default=-1)  # its buffer outlives jobs and groups' names
+    dist.barrier()  # every rank here (one restarted after a failure starts late) before the short timeout runs
     flight.started()
     try:
         step(case, seed, group)
     except RuntimeError:
         pass  # this rank waited past the group's timeout: what the recorders hold is the point
-    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     theirs = [(e["profiling_name"].split(":")[-1], tuple(e["input_sizes"][0]) if e["input_sizes"] else ())
-              for e in dump.get("entries", []) if e["process_group"][0] == group.group_name
+              for e in dump() if e["record_id"] > before and e["process_group"][0] == group.group_name
               and e["profiling_name"] != "gloo:barrier"]
+    dist.destroy_process_group(group)  # its threads and sockets
     return flight.entries(), theirs
