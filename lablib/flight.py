@@ -46,21 +46,25 @@ def started() -> None:
 
 
 def record(op: str, tensor, nbytes: int, group=None, peer=None) -> None:
+    """One call, kept in the rank's file if it has one (a pool's rank), else in memory (under torchrun)."""
     _SEQ[0] += 1
     entry = (_SEQ[0], op, int(nbytes), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
              tuple(group) if group else None, peer if peer is None or isinstance(peer, int) else tuple(peer))
-    _RING.append(entry)
     m = _mapped()
-    if m is not None:
-        data = repr(entry).encode()
-        if len(data) <= SLOT - 2:
-            at = (entry[0] - 1) % SIZE * SLOT
-            m[at + 2:at + 2 + len(data)] = data
-            m[at:at + 2] = len(data).to_bytes(2, "little")
+    if m is None:
+        _RING.append(entry)
+        return
+    data = repr(entry).encode()
+    if len(data) <= SLOT - 2:
+        at = (entry[0] - 1) % SIZE * SLOT
+        m[at + 2:at + 2 + len(data)] = data
+        m[at:at + 2] = len(data).to_bytes(2, "little")
 
 
 def entries() -> tuple:
-    return tuple(_RING)
+    """This rank's entries of the job so far, oldest first."""
+    m = _mapped()
+    return tuple(_RING) if m is None else _parse(m[:])
 
 
 def file(folder: str, rank: int) -> str:
@@ -77,9 +81,12 @@ def read(path) -> tuple:
     """In the parent: the entries a rank's file holds, oldest first (() when it holds none)."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(SIZE * SLOT)
+            return _parse(f.read(SIZE * SLOT))
     except OSError:
         return ()
+
+
+def _parse(raw: bytes) -> tuple:
     got = []
     for at in range(0, len(raw) - SLOT + 1, SLOT):
         size = int.from_bytes(raw[at:at + 2], "little")

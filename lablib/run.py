@@ -83,13 +83,14 @@ class RankPool:
             value, failure = None, describe(exc)
         self.spans = RECORDER.stop()
         everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, (value, failure))
-        values = [None if v is None else P.unship(v) for v, _ in everyone]
-        failures = {r: f for r, (_, f) in enumerate(everyone) if f is not None}
+        dist.all_gather_object(everyone, (value, failure, flight.entries()))
+        values = [None if v is None else P.unship(v) for v, _, _ in everyone]
+        failures = {r: f for r, (_, f, _) in enumerate(everyone) if f is not None}
         if failures:
             done = [r for r in range(self.world_size) if r not in failures]
-            raise RankError(failure_message(failures, done, "", self.world_size, self.timeout), failures,
-                            results=values)
+            flights = {r: entries for r, (_, _, entries) in enumerate(everyone)}
+            raise RankError(failure_message(failures, done, "", self.world_size, self.timeout, flights=flights),
+                            failures, results=values, flights=flights)
         return values
 
 

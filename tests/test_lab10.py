@@ -221,6 +221,14 @@ def test_only_the_low_precision_axis_rounds(cluster):
                 assert (one["said"] > 1e-4) == low and one["said"] < (5e-3 if low else 1e-6), (case, axis, one["said"])
 
 
+def test_a_schedule_written_as_text():
+    from lablib.strategies import schedules as sc
+
+    assert sc.from_text(["F0.0 B12.3", ""]) == [[sc.Action("F", 0, 0), sc.Action("B", 12, 3)], []]
+    with pytest.raises(ValueError, match=r"rank 1's 'X1.0': expected an action as F, B or W"):
+        sc.from_text(["F0.0", "X1.0"])
+
+
 # -- the checks --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("check, fn", [(check_diverged, diverged), (check_factor, factor),
                                        (check_first_mismatch, first_mismatch), (check_probe, reduction_error)])

@@ -17,7 +17,7 @@ class RankError(RuntimeError):
 
     ``failures`` maps rank -> ``Failure`` (type, message, traceback, ...); ``unfinished`` lists the ranks
     that were stopped; ``results`` holds the values of the ranks that finished (None elsewhere);
-    ``flights`` each rank's flight recorder (``flight``).
+    ``flights`` each rank's flight recorder, {rank: entries} (``flight``).
     """
 
     def __init__(self, message, failures=None, unfinished=(), results=None, flights=None):
@@ -25,7 +25,7 @@ class RankError(RuntimeError):
         self.failures: dict[int, Failure] = failures or {}
         self.unfinished = list(unfinished)
         self.results = results
-        self.flights = _flights(self.failures, flights)
+        self.flights = flights or {}
 
     @property
     def ranks(self):
@@ -34,7 +34,7 @@ class RankError(RuntimeError):
     def flight(self, rank) -> list:
         """What ``rank`` last issued of lablib's collectives and messages in the job, oldest first: entries
         ``(seq, op, nbytes, dtype, shape, group, peer)`` (``lablib.flight``), whether it failed, finished,
-        died or was killed ([] under torchrun for a rank that finished)."""
+        died or was killed."""
         return list(self.flights.get(rank, ()))
 
     def exception(self, rank):
@@ -95,11 +95,6 @@ def _send_recv_hint(ops: set) -> str:
             "the send and the receive together as one lablib.exchange and wait on it.")
 
 
-def _flights(failures: dict, flights: dict | None) -> dict:
-    """Every rank's entries: the pool's files where it read them, else what each failed rank sent."""
-    return {r: tuple(f.flight) for r, f in failures.items() if f.flight} | {r: e for r, e in (flights or {}).items() if e}
-
-
 def failure_message(failures: dict[int, Failure], finished, stop_reason: str, world_size: int, timeout: float,
                     cells: dict | None = None, flights: dict | None = None) -> str:
     """Root cause first (the earliest real error), then one line per other rank, then tracebacks, in
@@ -125,7 +120,7 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
                      "(dist.new_group) must join each collective on it; lablib.cluster(n, debug=True) names the "
                      "first mismatch at once.")
     if {"timeout", "stopped", "Stuck", "WorkerDied", "lost peer"} & set(cats.values()):
-        lines += _flight_lines(_flights(failures, flights))
+        lines += _flight_lines(flights or {})
     making = sorted(r for r in ranks if _op(failures[r]) in _GROUP_OPS and cats[r] != "error")
     if making and not any(f.type == "GroupMismatch" for f in failures.values()):
         lines.append(f"Hint: rank(s) {_join(making)} did not get past making a process group: {RULE}.")

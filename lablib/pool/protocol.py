@@ -87,7 +87,6 @@ class Failure:
     op: str | None = None           # the torch.distributed call it failed in, if any
     interrupted: bool = False       # stopped by lablib (SIGINT) rather than failing on its own
     time: int = 0                   # perf_counter_ns when it happened (orders root causes)
-    flight: tuple = ()              # its last lablib calls of the job (lablib.flight's entries)
 
 
 class Done(NamedTuple):

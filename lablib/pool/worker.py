@@ -174,7 +174,7 @@ def describe(exc: BaseException) -> P.Failure:
 
     import cloudpickle
 
-    from .. import device_audit, flight, gputime
+    from .. import device_audit, gputime
 
     tb = exc.__traceback__
     wrappers = (__file__, device_audit.__file__, gputime.__file__)
@@ -195,7 +195,7 @@ def describe(exc: BaseException) -> P.Failure:
     except Exception as inner:  # an exception whose __str__ itself fails must still be reported
         message = f"<str() of the {type(exc).__name__} failed: {type(inner).__name__}: {inner}>"
     return P.Failure(type(exc).__name__, message, "".join(te.format()), blob, op,
-                     isinstance(exc, KeyboardInterrupt), time.perf_counter_ns(), flight.entries())
+                     isinstance(exc, KeyboardInterrupt), time.perf_counter_ns())
 
 
 def run_job(me: _Rank, job: P.Job) -> P.Done:

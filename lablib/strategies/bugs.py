@@ -77,6 +77,12 @@ def replicas(case: str, seed: int = 0, steps: int = 2) -> list[tuple[str, torch.
     return [(name, p.detach()) for name, p in named]
 
 
+def apart(params_per_rank: list) -> dict:
+    """{"rank r: name": the largest difference of rank r's copy of that parameter from rank 0's}, for r > 0."""
+    return {f"rank {r}: {name}": (mine - first).abs().max().item() for r, params in enumerate(params_per_rank[1:], 1)
+            for (name, mine), (_, first) in zip(params, params_per_rank[0])}
+
+
 def differing(params_per_rank: list) -> tuple[str, list[int]] | None:
     """The truth a detector must find, from every rank's parameters: the first parameter whose bits differ
     from rank 0's somewhere, and those ranks; None when every replica is the same to the bit."""

@@ -15,11 +15,12 @@ go on with wrong numbers: ``flights`` returns each rank's record whichever happe
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
-from .. import comm as _comm
-from .. import flight
+from .. import comm, flight
 from ..pool import RankError
 from ..toy import generator
 
@@ -37,54 +38,38 @@ def odd_rank(seed: int, world_size: int) -> int:
 def step(case: str, seed: int = 0, group=None) -> tuple:
     """On a rank: one hanging (or wrong) step; its flight recorder's entries if it finishes."""
     r, n = dist.get_rank(), dist.get_world_size()
-    comm = _On(group)
+    all_reduce, all_gather = partial(comm.all_reduce, group=group), partial(comm.all_gather, group=group)
     odd = r == odd_rank(seed, n)
     dev = comm.device()
     grads = [torch.full((k,), float(r), device=dev) for k in SIZES]
-    comm.all_reduce(torch.ones(1, device=dev), name="all_reduce start")
+    all_reduce(torch.ones(1, device=dev), name="all_reduce start")
     if case == "skipped":
         for k in range(GOOD_STEPS + 1):  # the odd rank's loss is not finite at the last step
             loss = torch.tensor([float("nan") if odd and k == GOOD_STEPS else 1.0], device=dev)
             if torch.isfinite(loss).all():
                 for g in grads:
-                    comm.all_reduce(g, name="all_reduce grads")
-            comm.all_reduce(loss, name="all_reduce loss")
+                    all_reduce(g, name="all_reduce grads")
+            all_reduce(loss, name="all_reduce loss")
     elif case == "reordered":
         for g in reversed(grads) if odd else grads:
-            comm.all_reduce(g, name="all_reduce grads")
+            all_reduce(g, name="all_reduce grads")
     elif case == "shape":
         total = sum(SIZES) + 1  # not a multiple of the ranks: each rank pads its shard
         shard = -(-total // n) if not odd else total // n + (1 if total % n else 0) + 1
         out = torch.empty(shard * n, device=dev)
-        comm.all_gather(out, torch.zeros(shard, device=dev), name="all_gather params")
+        all_gather(out, torch.zeros(shard, device=dev), name="all_gather params")
     elif case == "one fewer":
         for _ in range(LONG - 1 if odd else LONG):
-            comm.all_reduce(grads[0], name="all_reduce grads")
+            all_reduce(grads[0], name="all_reduce grads")
         if odd:
             return flight.entries()  # its data ran out: it leaves the loop and the job
     elif case == "dtype":
         g = grads[0].to(torch.bfloat16).repeat(2) if odd else grads[0]
-        comm.all_reduce(g, name="all_reduce grads")
+        all_reduce(g, name="all_reduce grads")
     else:
         raise ValueError(f"unknown case {case!r}; choose from {', '.join(CASES + HIDDEN)}")
-    comm.all_reduce(torch.ones(1, device=dev), name="all_reduce end")
+    all_reduce(torch.ones(1, device=dev), name="all_reduce end")
     return flight.entries()
-
-
-class _On:
-    """lablib's collectives on ``group`` (None: every rank)."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def device(self):
-        return _comm.device()
-
-    def all_reduce(self, t, name):
-        return _comm.all_reduce(t, group=self.group, name=name)
-
-    def all_gather(self, out, t, name):
-        return _comm.all_gather(out, t, group=self.group, name=name)
 
 
 def flights(pool, case: str, seed: int = 0) -> dict:

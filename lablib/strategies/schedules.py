@@ -59,6 +59,22 @@ def as_actions(schedule, what: str = "the schedule") -> list[list[Action]]:
     return out
 
 
+def from_text(rows) -> list[list[Action]]:
+    """A schedule written as text, one string per rank: "F2.0 B1.3" is the forward of micro-batch 2 through
+    stage 0, then the backward of micro-batch 1 through stage 3."""
+    out = []
+    for r, row in enumerate(rows):
+        acts = []
+        for word in row.split():
+            mb, _, stage = word[1:].partition(".")
+            if word[:1] not in KINDS or not mb.isdigit() or not stage.isdigit():
+                raise ValueError(f"rank {r}'s {word!r}: expected an action as F, B or W, the micro-batch, a dot and "
+                                 "the stage, e.g. F2.0")
+            acts.append(Action(word[0], int(mb), int(stage)))
+        out.append(acts)
+    return out
+
+
 # -- what an action needs ---------------------------------------------------------------------------------
 def needs(a: Action, stages: int, split: bool) -> list[Action]:
     """The actions ``a`` must wait for: F the forward on the stage before; B its own forward and the
