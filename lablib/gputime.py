@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from bisect import bisect_left, bisect_right
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -183,6 +184,28 @@ def activities() -> list:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if wanted() and torch.cuda.is_available() else [])
 
 
+def start(prof):
+    """``prof`` (a ``torch.profiler.profile``) started. Some releases (torch 2.11) warn at every start without a
+    schedule that the profile "clears events at the end of each cycle": a one-off profile has one cycle, and every
+    rank of every job on a GPU would print it to the learner."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        prof.start()
+    return prof
+
+
+@contextmanager
+def profiler():
+    """``with profiler() as prof``: a profile of ``activities()``, ``start``ed and stopped around the block."""
+    from torch.profiler import profile
+
+    prof = start(profile(activities=activities()))
+    try:
+        yield prof
+    finally:
+        prof.stop()
+
+
 def place(spans: list, trace: list[dict], mark_ns: int, pauses: list) -> list:
     """``spans`` placed where their GPU work ran (saved first, under LABLIB_SAVE_TRACES), where this rank's
     jobs are timed on the GPU; else as they are."""
@@ -205,8 +228,7 @@ def timed_on_device(fn, args=(), kwargs=None, call=None):
     from .comm import synchronize
     from .timeline import RECORDER
 
-    prof = profile(activities=activities())
-    prof.start()
+    prof = start(profile(activities=activities()))
     try:
         with pauses_kept() as pauses:
             mark_ns = mark()

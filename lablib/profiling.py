@@ -23,7 +23,6 @@ the time the data was moving.
 from __future__ import annotations
 
 import time
-import warnings
 
 from .gputime import MARK, activities, clock_offset, events as _events, mark as _mark, place  # noqa: F401 (MARK)
 from .timeline import RECORDER, RawSpan
@@ -32,10 +31,6 @@ from .timeline import RECORDER, RawSpan
 C10D_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
             "broadcast": "broadcast", "alltoall": "all_to_all", "barrier": "barrier", "send": "send", "recv": "recv"}
 BACKEND_PREFIXES = ("gloo:", "nccl:")
-# Some releases warn that a profile without a schedule "clears events at the end of each cycle": a
-# one-off profile has one cycle, so the warning says nothing to a learner.
-warnings.filterwarnings("ignore", message=".*Profiler clears events")
-
 
 def _c10d_op(name: str) -> str | None:
     if not name.startswith("c10d::"):
@@ -137,12 +132,10 @@ def timed(fn, *args, **kwargs):
     with ``torch.profiler`` watching when the backend really ran each collective (see the module's
     docstring): ``cluster.run(lablib.timed, train, ...)``. On a GPU the spans are placed where their
     kernels ran (``lablib.gputime``), which says when NCCL ran each collective."""
-    from torch.profiler import profile
-
     from .comm import synchronize
-    from .gputime import pauses_kept
+    from .gputime import pauses_kept, profiler
 
-    with profile(activities=activities()) as prof, pauses_kept() as pauses:
+    with profiler() as prof, pauses_kept() as pauses:
         mark_ns = _mark()
         result = fn(*args, **kwargs)
         synchronize()
@@ -171,14 +164,12 @@ def profiled(fn, *args, **kwargs):
     """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)`` under ``torch.profiler``; what the
     profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records), between
     where ``fn`` called ``steps_begin()`` and ``steps_end()`` if it did."""
-    from torch.profiler import profile
-
     from .comm import synchronize
-    from .gputime import KEEP, pauses_kept
+    from .gputime import KEEP, pauses_kept, profiler
 
     own, RECORDER.spans, _BEGIN[:] = RECORDER.spans, None, [None, None]
     try:
-        with profile(activities=activities()) as prof, pauses_kept() as pauses:
+        with profiler() as prof, pauses_kept() as pauses:
             mark_ns = _mark()
             result = fn(*args, **kwargs)
             synchronize()

@@ -1,13 +1,15 @@
 """Capture the profiler traces ``tests/test_gputime.py`` replays, and say how each run's spans were placed.
 
-    python tests/gpu_capture.py DIR [--device cuda|cpu]
+    python tests/gpu_capture.py DIR [--device cuda|cpu] [--timeline FILE]
 
 Runs, each job once, with LABLIB_SAVE_TRACES=DIR (``lablib.gputime.save``): lab 03's prefetching step with its
 2 ranks sharing the device (Gloo between them), one 1F1B step of lab 05 on 2 ranks, and, on a GPU, lab 03's
 step on NCCL at world size 1. Each rank's trace is one file, trimmed to what the placement reads (at most 8
 files in all). It prints per run how many spans each clock placed, and exits 1 where a GPU run's compute was
-not placed by its kernels. ``--device cpu`` (``tests/gpu.sh --dry``) runs the same on the CPU: every span
-keeps the host's clock there.
+not placed by its kernels. ``--timeline FILE`` keeps lab 03's timeline, titled with the device that ran it
+(``Timeline.save_chrome_trace``; ``Timeline.load`` reads it back, to draw the chart on a machine with a
+browser). ``--device cpu`` (``tests/gpu.sh --dry``) runs the same on the CPU: every span keeps the host's
+clock there.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--timeline", type=Path, help="where to keep lab 03's timeline, as a Chrome trace")
     args = parser.parse_args(argv)
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,7 +52,15 @@ def main(argv=None) -> int:
         os.environ["LABLIB_TRACE_TAG"] = tag
         with Cluster(n, backend=backend, device=args.device, timeout=120, quiet=True) as cluster:
             cluster.run(fn, *fn_args, **kwargs)
-            spans = cluster.timeline().spans
+            timeline = cluster.timeline()
+            spans = timeline.spans
+        if tag == "lab03-prefetch" and args.timeline:
+            import torch
+
+            where = torch.cuda.get_device_name(0) if args.device == "cuda" else "the CPU"
+            timeline.title = (f"lab 03's prefetching step (depth 1), {n} ranks on {where}, {cluster.backend}, "
+                              f"torch {torch.__version__}")
+            timeline.save_chrome_trace(args.timeline)
         clocks = collections.Counter((s.kind, s.meta.get("clock")) for s in spans if s.kind != "idle")
         print(f"{tag} ({n} rank(s), {cluster.backend}, {args.device}): "
               + ", ".join(f"{kind} by {clock}: {count}" for (kind, clock), count in sorted(clocks.items(), key=str)))

@@ -94,3 +94,21 @@ def test_each_lane_says_the_clock_its_bars_were_placed_by():
     _, host = _load(FIXTURES / "handwritten-step.json")  # a run on the CPU records no clock: plain lanes
     assert list(Timeline.from_raw({0: host}, {0: 0}, US, 1).figure().layout.yaxis.ticktext) == ["rank 0 compute",
                                                                                                 "rank 0 comm"]
+
+
+
+def test_the_profilers_one_cycle_warning_is_not_shown_to_learners():
+    """torch 2.11 warns at every start of a profile without a schedule that it "clears events at the end of each
+    cycle" (2.13 does not): every rank of every job on a GPU would print it, and a one-off profile has one cycle."""
+    import warnings
+
+    class Profile211:
+        def start(self):
+            warnings.warn("Warning: Profiler clears events at the end of each cycle.Only events from the current "
+                          "cycle will be reported.To keep events across cycles, set acc_events=True.", UserWarning)
+            warnings.warn("another warning", UserWarning)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gputime.start(Profile211())
+    assert [str(w.message) for w in seen] == ["another warning"]
