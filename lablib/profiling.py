@@ -22,6 +22,7 @@ the time the data was moving.
 """
 from __future__ import annotations
 
+import math
 import time
 
 from .gputime import MARK, activities, clock_offset, events as _events, mark as _mark, place  # noqa: F401 (MARK)
@@ -31,6 +32,7 @@ from .timeline import RECORDER, RawSpan
 C10D_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
             "broadcast": "broadcast", "alltoall": "all_to_all", "barrier": "barrier", "send": "send", "recv": "recv"}
 BACKEND_PREFIXES = ("gloo:", "nccl:")
+STEPS = ("lablib.steps-begin", "lablib.steps-end")  # the markers ``steps_begin`` and ``steps_end`` record
 
 def _c10d_op(name: str) -> str | None:
     if not name.startswith("c10d::"):
@@ -69,8 +71,8 @@ def spans_from_trace(events: list[dict], mark_ns: int) -> list[RawSpan]:
         op = issued[k] if len(issued) == len(comm) else C10D_OPS.get(fallback.replace("_", ""), fallback)
         spans.append(RawSpan(e["name"], "comm", ns(e["ts"]), ns(e["ts"] + e["dur"]), 0, None, True,
                              {"op": op, "source": "torch.profiler"}))
-    mine = sorted((e for e in xs if e["tid"] == main and e["name"] != MARK and not _c10d_op(e["name"])),
-                  key=lambda e: (e["ts"], -e["dur"]))
+    mine = sorted((e for e in xs if e["tid"] == main and not e["name"].startswith("lablib.")  # lablib's markers
+                   and not _c10d_op(e["name"])), key=lambda e: (e["ts"], -e["dur"]))
     # Waits on a collective, at any depth: the rank is blocked on communication there, not computing.
     waits = [(e["ts"], e["ts"] + e["dur"]) for e in mine if "wait" in e["name"].split("::")[-1]]
     end = 0.0
@@ -146,28 +148,43 @@ def timed(fn, *args, **kwargs):
     return result
 
 
-_BEGIN: list = [None, None]  # where the part worth drawing begins and ends (perf_counter_ns), if fn says
+def _marker(name: str) -> None:
+    from torch.profiler import record_function
+
+    with record_function(name):
+        pass
 
 
 def steps_begin() -> None:
     """Called by ``fn`` under ``profiled`` where the part worth drawing begins (after set-up and warm-up):
     what the profiler saw before it is left out."""
-    _BEGIN[0] = time.perf_counter_ns()
+    _marker(STEPS[0])
 
 
 def steps_end() -> None:
-    """Called by ``fn`` under ``profiled`` where the part worth drawing ends (before gathering results)."""
-    _BEGIN[1] = time.perf_counter_ns()
+    """Called by ``fn`` under ``profiled`` where the part worth drawing ends (before gathering results): what
+    began after it is left out."""
+    _marker(STEPS[1])
+
+
+def window(events: list[dict], mark_ns: int) -> tuple[float, float]:
+    """Where the part worth drawing began and ended on this rank's clock: the last ``steps_begin`` and
+    ``steps_end`` markers in the profile (without them, all of it), read on the profiler's clock as the spans
+    are, so the marker that ties the clocks together shifts both alike."""
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    offset, _ = clock_offset(xs, mark_ns)
+    at = [max((round(e["ts"] * 1000) + offset for e in xs if e["name"] == name), default=None) for name in STEPS]
+    return (-math.inf if at[0] is None else at[0]), (math.inf if at[1] is None else at[1])
 
 
 def profiled(fn, *args, **kwargs):
     """On a rank (inside ``cluster.run``): ``fn(*args, **kwargs)`` under ``torch.profiler``; what the
-    profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records), between
-    where ``fn`` called ``steps_begin()`` and ``steps_end()`` if it did."""
+    profiler saw is recorded as this job's spans (instead of the lablib spans ``fn`` records): those that
+    began between where ``fn`` called ``steps_begin()`` and ``steps_end()``, if it did."""
     from .comm import synchronize
     from .gputime import KEEP, pauses_kept, profiler
 
-    own, RECORDER.spans, _BEGIN[:] = RECORDER.spans, None, [None, None]
+    own, RECORDER.spans = RECORDER.spans, None
     try:
         with profiler() as prof, pauses_kept() as pauses:
             mark_ns = _mark()
@@ -177,10 +194,10 @@ def profiled(fn, *args, **kwargs):
         RECORDER.spans = own
     events = _events(prof)
     if RECORDER.spans is not None:
-        begin, end = _BEGIN
+        begin, end = window(events, mark_ns)
         host = [e for e in events if str(e.get("cat", "")).lower() not in KEEP or e.get("name") == MARK]
-        spans = place(spans_from_trace(host, mark_ns), events, mark_ns, pauses)
-        RECORDER.spans.extend(s for s in spans if (begin is None or s.t0 >= begin) and (end is None or s.t1 <= end))
+        spans = [s for s in spans_from_trace(host, mark_ns) if begin <= s.t0 < end]  # where the host began them
+        RECORDER.spans.extend(place(spans, events, mark_ns, pauses))
     return result
 
 

@@ -3,7 +3,7 @@ comm ops named by the c10d call that issued them (lablib.profiling)."""
 import pytest
 
 import lablib
-from lablib.profiling import MARK, spans_from_trace
+from lablib.profiling import MARK, STEPS, spans_from_trace, window
 from lablib.strategies import fsdp
 from lablib.timeline import Timeline
 
@@ -58,6 +58,21 @@ def test_a_profiled_job_draws_only_between_steps_begin_and_steps_end(cluster):
     cluster.run(lablib.profiled, _three_all_reduces)
     comm = [s for s in cluster.timeline().spans if s.kind == "comm" and s.rank == 0]
     assert len(comm) == 1 and comm[0].meta.get("op") == "all_reduce"
+
+
+def test_the_part_worth_drawing_is_cut_where_its_markers_are_on_the_profilers_clock():
+    """steps_begin and steps_end leave markers in the profile, read on the clock the spans are read on, so a shift
+    of the marker that ties the clocks shifts both alike; the markers are no spans themselves."""
+    events = [X(MARK, 1000.0, 0.5), X("lablib.warm-up", 999.0, 0.2), X("aten::add", 1001.0, 1.0),
+              X(STEPS[0], 1003.0, 0.0), X("aten::mul", 1004.0, 1.0), X(STEPS[1], 1010.0, 0.0),
+              X("aten::sub", 1011.0, 1.0)]
+    for mark_ns in (5_000_000, 5_004_000):  # the marker 4 ms off: the window moves with the spans
+        begin, end = window(events, mark_ns)
+        assert (begin, end) == (mark_ns + 3_000, mark_ns + 10_000)
+        spans = spans_from_trace(events, mark_ns)
+        assert [s.name for s in spans] == ["aten::add", "aten::mul", "aten::sub"]
+        assert [s.name for s in spans if begin <= s.t0 < end] == ["aten::mul"]
+    assert window([X(MARK, 1000.0, 0.5)], 5_000_000) == (float("-inf"), float("inf"))  # no markers: all of it
 
 
 def test_a_collective_learns_when_the_backend_ran_it_from_the_profiler():
