@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lablib import Cluster, bandwidth
+from lablib import Cluster, Timeline, bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -126,10 +126,16 @@ def test_the_nccl_bandwidth_sweep_runs():
 
 
 def test_torchrun_runs_a_lab_on_the_gpus(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(min(2, GPUS)), "-m",
-                          "lablib.run", "welcome", "--trace", str(tmp_path / "t.json")], cwd=ROOT, capture_output=True,
+    """With 2 GPUs, lab 02, whose checks all run at 2 ranks; on one GPU, where every rank check needs a peer and
+    is skipped (so lablib.run exits 1), lab 01, whose first two checks need none."""
+    n = min(2, GPUS)
+    lab, said = ("collectives", "4 check(s) passed, 0 failed") if n == 2 else ("sharding", "2 check(s) passed, 3 ")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "-m",
+                          "lablib.run", lab, "--trace", str(tmp_path / "t.json")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
-    assert out.returncode == 0 and "(NCCL)" in out.stdout and "0 failed" in out.stdout, out.stdout + out.stderr
+    assert f"{n} ranks (NCCL)" in out.stdout and said in out.stdout, out.stdout + out.stderr
+    assert out.returncode == (0 if n == 2 else 1) and "✗" not in out.stdout, out.stdout + out.stderr
+    assert Timeline.load(tmp_path / "t.json").world_size == n
 
 
 def _where():
