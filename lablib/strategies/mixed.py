@@ -193,7 +193,7 @@ def reduction_job(sizes=(2, 3, 4), dtypes=(torch.bfloat16, torch.float32), numel
         grads = [g[:chunk * n] for g in rank_gradients(n, numel)]
         exact = comm.to_device(torch.stack(grads).double().sum(0)[r * chunk:(r + 1) * chunk])
         for dtype in dtypes:
-            got = torch.empty(chunk, dtype=dtype, device=comm.torch_device())
+            got = torch.empty(chunk, dtype=dtype, device=comm.device())
             comm.reduce_scatter(got, comm.to_device(grads[r].to(dtype)), group=group, name=f"reduce_scatter {_name(dtype)}")
             out[(n, _name(dtype))] = ((got.double() - exact).abs().mean() / exact.abs().mean()).item()
     return out
