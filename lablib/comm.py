@@ -38,7 +38,8 @@ from .splits import row_bytes, same_splits, splits
 from .traffic import BUS_FACTOR, bytes_on_wire, bytes_sent, ring_steps, written  # noqa: F401 (comm.bytes_sent, ...)
 from .device_audit import enabled as _audited
 from .timeline import CLOCK, RECORDER, AsyncSpan, RawSpan, _now, span
-from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back, message_over_link
+from .work import Work, _CopyOut, _GlooAsyncReduceScatter, _sleep_until, copy_back, message_over_link, \
+    storage_short
 
 # torch.distributed's own tensor-in/tensor-out collectives, untraced (for references, checks and timing
 # loops). PyTorch 2.13 renamed them and warns on the old names.
@@ -210,7 +211,13 @@ def _host_copy(t, read: bool):
 def _staged(op, tensor, target):
     """CUDA tensors for Gloo, which takes host memory (its send/recv do not stage CUDA tensors at all): host
     copies of the tensors and the (host, GPU) pairs to copy back once the collective completed. The copies
-    are spans of their own ("copy to host", "copy from host"), so the timeline shows what staging costs."""
+    are spans of their own ("copy to host", "copy from host"), so the timeline shows what staging costs. A
+    tensor whose storage was freed fails as Gloo fails it on the CPU ("... storage of size 0"), not in a copy."""
+    for t, what in ((tensor, "output" if op == "recv" else "input"), (target, "output")):
+        short = t is not None and storage_short(t)
+        if short:
+            raise RuntimeError(f"lablib.{op}: the {what} needs {short[0]} bytes of storage, out of bounds for storage "
+                               f"of size {short[1]} (freed, or resized smaller, before the call)")
     if target is not None:  # out of place: input copied in, output copied back
         out = _host_copy(target, False)
         return _host_copy(tensor, True), out, [(out, target)]

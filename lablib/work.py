@@ -156,10 +156,31 @@ def message_over_link(link, name, nbytes, async_op, call, stamp_call, tensor, op
     return None
 
 
+def storage_short(t) -> tuple[int, int] | None:
+    """(bytes ``t`` reaches into its storage, bytes the storage holds) when the storage is too small for it (a
+    unit's flat buffer freed by reshard), else None."""
+    if t.numel() == 0:
+        return None
+    need = (t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    return (need, have) if have < need else None
+
+
+def lost_output(short) -> RuntimeError:
+    need, have = short
+    return RuntimeError(f"an asynchronous collective lost its output: the output's storage was freed ({have} bytes "
+                        f"left of {need}) while the collective was in flight. Wait for a unit's gather before "
+                        "freeing it.")
+
+
 def copy_back(pairs) -> None:
     """After a collective staged through host memory (CUDA tensors on Gloo): each host result copied into
-    its GPU tensor, as a span of its own."""
+    its GPU tensor, as a span of its own. A GPU tensor whose storage was freed meanwhile is named, as
+    ``_CopyOut`` names it on the CPU, instead of failing in the copy."""
     for host, dev in pairs:
+        short = storage_short(dev)
+        if short:
+            raise lost_output(short)
         with span("copy from host", "comm", bytes=host.nbytes, op="memcpy"):
             dev.copy_(host)
 
@@ -215,10 +236,9 @@ class _CopyOut:
 
     def wait(self, *args):
         self._work.wait(*args)
-        if self._output.untyped_storage().nbytes() < self._buffer.nbytes:
-            raise RuntimeError("an all_gather(..., async_op=True) lost its output: the output's storage was freed "
-                               f"({self._output.untyped_storage().nbytes()} bytes left of {self._buffer.nbytes}) "
-                               "while the gather was in flight. Wait for a unit's gather before freeing it.")
+        short = storage_short(self._output)
+        if short:
+            raise lost_output(short)
         self._output.copy_(self._buffer)
         return True
 

@@ -179,3 +179,38 @@ def test_collectives_staged_through_host_memory_give_the_same_results(cluster):
         assert mine == [n * (n + 1) / 2] * 2
         assert got == [float((r - 1) % n)] * 3
         assert {"copy to host", "copy from host"} <= set(names), names  # each staging copy on the timeline
+
+
+def _freed_buffers(stage: bool):
+    """A gather into a buffer whose storage was freed (a unit's flat buffer after reshard): before the call, and
+    while an asynchronous gather was in flight; as CPU ranks run it, or staged through host memory as on a GPU."""
+    n = dist.get_world_size()
+    comm.STAGE_CPU[0] = stage
+    errors = []
+    try:
+        dev = lablib.device()
+        flat = torch.empty(2 * n, device=dev)
+        flat.untyped_storage().resize_(0)
+        try:
+            lablib.all_gather(flat, torch.ones(2, device=dev))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        flat = torch.empty(2 * n, device=dev)
+        work = lablib.all_gather(flat, torch.ones(2, device=dev), async_op=True)
+        flat.untyped_storage().resize_(0)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    finally:
+        comm.STAGE_CPU[0] = False
+    return errors
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["cpu", "staged"])
+def test_a_freed_buffer_is_named_alike_on_the_cpu_and_staged_through_host_memory(cluster, stage):
+    """Labs 01 and 03 hint on PyTorch's words for a freed buffer ("storage of size 0") and on lablib's for a gather
+    that lost its output: staged, where Gloo never sees the GPU tensor, lablib says the same."""
+    for errors in cluster.run(_freed_buffers, stage):
+        assert len(errors) == 2, errors
+        assert "storage of size 0" in errors[0] and "lost its output" in errors[1], errors
