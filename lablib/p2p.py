@@ -207,6 +207,12 @@ def prepare(group=None) -> None:
 _PREPARED: set = set()
 
 
+def forget() -> None:
+    """The process group was destroyed (after a failed job): the groups ``prepare`` made NCCL's communicators
+    for are gone, and the group made next (a new object, or ``None`` for the world again) needs its own."""
+    _PREPARED.clear()
+
+
 class Batch:
     """The messages of one ``lablib.exchange``, posted together once all are added: one queue operation in
     strict mode, one ``batch_isend_irecv`` under NCCL, the operations one by one on plain Gloo."""

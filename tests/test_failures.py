@@ -51,6 +51,48 @@ def test_exception_names_the_rank_and_carries_its_traceback(fragile):
     _healthy(fragile)
 
 
+def _a_kernel_asserts_on_rank_1():
+    if dist.get_rank() == 1:  # what torch raises once a kernel's index check failed on a GPU
+        raise RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "
+                           "reported at some other API call, so the stacktrace below might be incorrect.")
+    return os.getpid()
+
+
+def test_a_rank_whose_gpu_took_a_sticky_error_is_restarted(fragile):
+    """After a device-side assert every call on that GPU fails, so the rank is restarted (a new process) and the
+    report says why; the next job runs on every rank."""
+    before = fragile.run(os.getpid)
+    with pytest.raises(RankError) as info:
+        fragile.run(_a_kernel_asserts_on_rank_1)
+    msg = str(info.value)
+    assert msg.startswith(f"rank 1 of {fragile.world_size} failed: RuntimeError: CUDA error: device-side assert")
+    assert "Hint: rank(s) 1 took a CUDA error that stays with the process" in msg and "IndexError" in msg, msg
+    after = fragile.run(os.getpid)
+    assert after[1] != before[1] and [a == b for a, b in zip(after, before)].count(False) == 1, (before, after)
+    _healthy(fragile)
+
+
+def _prepared_then_fails():
+    from lablib import p2p
+
+    p2p._PREPARED.add(None)  # as p2p.prepare() leaves the world group under NCCL
+    raise ValueError("failed after its first exchange")
+
+
+def _prepared():
+    from lablib import p2p
+
+    return sorted(map(str, p2p._PREPARED))
+
+
+def test_a_group_made_again_after_a_failure_is_prepared_again(fragile):
+    """Under NCCL a group's first batch_isend_irecv needs every rank, so p2p.prepare makes its communicator with a
+    collective once per group; after a failure the world group is made again (still None), and must be again."""
+    with pytest.raises(RankError):
+        fragile.run(_prepared_then_fails)
+    assert fragile.run(_prepared) == [[]] * fragile.world_size
+
+
 def _skip_collective():
     if dist.get_rank() != 0:
         dist.all_reduce(torch.ones(3))

@@ -121,6 +121,13 @@ def failure_message(failures: dict[int, Failure], finished, stop_reason: str, wo
                      "first mismatch at once.")
     if {"timeout", "stopped", "Stuck", "WorkerDied", "lost peer"} & set(cats.values()):
         lines += _flight_lines(flights or {})
+    broken = sorted(r for r in ranks if failures[r].restart)
+    if broken:
+        lines.append(f"Hint: rank(s) {_join(broken)} took a CUDA error that stays with the process (every later call "
+                     "on its GPU would fail), so lablib restarted them. The GPU reports a kernel's error at a later "
+                     "call, so the line named may not be the one at fault: an index out of range is the usual cause. "
+                     "The same code on CPU ranks, lablib.cluster(n, device=\"cpu\"), fails at its line with an "
+                     "IndexError.")
     making = sorted(r for r in ranks if _op(failures[r]) in _GROUP_OPS and cats[r] != "error")
     if making and not any(f.type == "GroupMismatch" for f in failures.values()):
         lines.append(f"Hint: rank(s) {_join(making)} did not get past making a process group: {RULE}.")

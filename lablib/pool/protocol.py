@@ -87,6 +87,7 @@ class Failure:
     op: str | None = None           # the torch.distributed call it failed in, if any
     interrupted: bool = False       # stopped by lablib (SIGINT) rather than failing on its own
     time: int = 0                   # perf_counter_ns when it happened (orders root causes)
+    restart: bool = False           # the rank's GPU took an error every later call repeats: the pool restarts it
 
 
 class Done(NamedTuple):

@@ -155,6 +155,9 @@ class _Rank:
         # peer") instead of waiting for the timeout.
         import torch.distributed as dist
 
+        from .. import p2p
+
+        p2p.forget()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -198,6 +201,24 @@ def describe(exc: BaseException) -> P.Failure:
                      isinstance(exc, KeyboardInterrupt), time.perf_counter_ns())
 
 
+def gpu_broken(failure: P.Failure) -> bool:
+    """Whether this rank's GPU can no longer be used: a CUDA error such as a device-side assert (an index out of
+    range in a kernel) or an illegal memory access stays with the process, and every later call fails with it.
+    A failure that says so, or a stream that reports one when asked (without waiting), means the rank must be
+    restarted."""
+    if "CUDA error" in failure.message or "device-side assert" in failure.message or failure.type == "AcceleratorError":
+        return True
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    try:
+        torch.cuda.current_stream().query()
+    except Exception:  # noqa: BLE001 - any error here is the sticky one
+        return True
+    return False
+
+
 def run_job(me: _Rank, job: P.Job) -> P.Done:
     import linecache
 
@@ -235,6 +256,7 @@ def run_job(me: _Rank, job: P.Job) -> P.Done:
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the cell
         _State.running = False
         failure = describe(exc)
+        failure.restart = gpu_broken(failure)
         me.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
