@@ -313,12 +313,15 @@ def measure(cluster, hooks: Hooks, depth: int = 0, link: comm.Link | None = None
 def versus_fsdp2(cluster, hooks: Hooks, depth: int = 1, model_name: str = "wide8", steps: int | None = None) -> dict:
     """The step times of ``hooks`` and of FSDP2 (``fsdp2_train``), both prefetching ``depth`` units ahead,
     back to back on ``cluster`` with nothing traced (a profiler slows FSDP2's many small ops more than
-    lablib's few): {name: median step, its range, the number of steps}."""
+    lablib's few): {name: median step, its range, the number of steps}. Where the ranks share GPUs over Gloo,
+    FSDP2 computes on the CPU (``comm.torch_device``), and each name says where it ran."""
     from ..paths import quick
 
     steps = steps or (2 if quick() else 5)
-    runs = {f"yours, depth {depth}": cluster.run(train, hooks, model_name, steps, depth=depth, warmup=1),
-            f"FSDP2, depth {depth}": cluster.run(fsdp2_train, model_name, steps, depth, 1)}
+    # ranks sharing GPUs over Gloo: FSDP2 runs on the CPU there (comm.torch_device), and the names say so
+    yours, theirs = (", GPU", ", CPU") if cluster.device == "cuda" and cluster.backend == "gloo" else ("", "")
+    runs = {f"yours, depth {depth}{yours}": cluster.run(train, hooks, model_name, steps, depth=depth, warmup=1),
+            f"FSDP2, depth {depth}{theirs}": cluster.run(fsdp2_train, model_name, steps, depth, 1)}
     out = {}
     for name, results in runs.items():
         times = step_times(results)

@@ -268,7 +268,8 @@ def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int | None = None) -> d
     """The wide block at each tensor-parallel degree (a pool of that size: ``cluster`` where it matches,
     else ``lablib.pool.spare``'s), ``steps`` timed steps (5, or 2 under LABLIB_QUICK) after a warm-up: {degree: step time (median
     over steps of the slowest rank) and its range, DTensor's on the same pool, the timeline of the
-    recorded steps}."""
+    recorded steps, whether DTensor computed on the CPU while the block ran on GPUs (ranks sharing GPUs over
+    Gloo: ``comm.torch_device``)}."""
     from ..paths import quick
     from ..pool import spare
 
@@ -280,5 +281,6 @@ def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int | None = None) -> d
         times = step_times(pool.run(block_job, fns, steps))
         out[n] = {"step": statistics.median(times), "range": (min(times), max(times)),
                   "dtensor": statistics.median(dtensor), "dtensor_range": (min(dtensor), max(dtensor)),
-                  "timeline": pool.timeline(), "steps": steps}
+                  "timeline": pool.timeline(), "steps": steps,
+                  "apart": pool.device == "cuda" and pool.backend == "gloo"}  # DTensor on the CPU, yours on a GPU
     return out

@@ -88,6 +88,9 @@ def step_table(runs: dict, tokens: int, width: int) -> str:
     DTensor's, and the bytes per token: the payload traced, Megatron's count, the bytes each rank wrote
     to its sockets and the ring's 2(n-1)/n of the payload."""
     lines = [f"measured on this machine: median of {next(iter(runs.values()))['steps']} steps (their range)"]
+    if any(r.get("apart") for r in runs.values()):
+        lines.append("(your block computed on the GPU, DTensor's on the CPU: Gloo, which carries the ranks' "
+                     "collectives here, takes no CUDA tensors for DTensor's, so the two are not like for like)")
     for n, r in runs.items():
         t = traffic(r["timeline"], tokens, width, r["steps"])
         wire = "   n/a" if t["wire"] is None else f"{t['wire']:6.0f}"
