@@ -80,6 +80,8 @@ if [ -n "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --no-compile --disable-pip-version-check --target .gpu-site \
     --find-links "$WHEELS" "${PACKAGES[@]}" || exit 2
   export PYTHONPATH="$ROOT/.gpu-site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  # the notebooks' kernels keep their connection files and IPython's profile out of a home that may be read-only
+  export JUPYTER_RUNTIME_DIR="$ROOT/.gpu-site/jupyter-runtime" IPYTHONDIR="$ROOT/.gpu-site/ipython"
 elif [ -z "$PY" ] && [ $DEVICE = cpu ]; then
   PY=.venv/bin/python
 elif [ -z "$PY" ]; then

@@ -344,10 +344,6 @@ class Cluster:
                     break
         self._drain_output(0.0)
         job.flights = flight.read_all(self._tmpdir.name, self.world_size) if job.failures else {}  # before restarts
-        for rank, failure in job.failures.items():
-            if failure.restart and rank not in job.killed:  # its GPU context is broken: only a new process can use it
-                self._kill(rank)
-                job.killed.add(rank)
         for rank in job.killed:
             self._spawn(rank)  # restarted in the background; the next run waits for it
         if job.failures or job.killed or job.interrupted:

@@ -136,6 +136,9 @@ class Job:
             else:
                 self.failures[rank] = msg.failure
                 self.first_error = self.first_error or time.monotonic()
+                if msg.failure.restart:  # its GPU took an error that only a new process is free of
+                    self.pool._kill(rank)
+                    self.killed.add(rank)
         elif msg is LOST and rank in self.pending and w is self.pool._workers.get(rank):
             w.proc.wait()
             for reader in w.readers:  # its pipes end with it: read to the end, for its last words
