@@ -23,7 +23,6 @@ the time the data was moving.
 from __future__ import annotations
 
 import math
-import time
 
 from .gputime import MARK, activities, clock_offset, events as _events, mark as _mark, place  # noqa: F401 (MARK)
 from .timeline import RECORDER, RawSpan

@@ -52,6 +52,12 @@ def resolve_backend(backend: str, world_size: int, device: str = "auto") -> str:
     return backend
 
 
+def torch_on_cpu(backend: str, device: str) -> bool:
+    """Whether PyTorch's own parallel APIs (FSDP2, DTensor) compute on the CPU while the ranks compute on GPUs: ranks
+    sharing GPUs talk over Gloo, which takes no CUDA tensors for all of their collectives (``comm.torch_device``)."""
+    return device == "cuda" and backend == "gloo"
+
+
 def gpu_of(rank: int) -> int:
     """The GPU rank ``rank`` computes on (its own under NCCL; shared round-robin otherwise)."""
     return rank % max(_gpu_count(), 1)

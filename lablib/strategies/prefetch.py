@@ -316,10 +316,10 @@ def versus_fsdp2(cluster, hooks: Hooks, depth: int = 1, model_name: str = "wide8
     lablib's few): {name: median step, its range, the number of steps}. Where the ranks share GPUs over Gloo,
     FSDP2 computes on the CPU (``comm.torch_device``), and each name says where it ran."""
     from ..paths import quick
+    from ..pool.backend import torch_on_cpu
 
     steps = steps or (2 if quick() else 5)
-    # ranks sharing GPUs over Gloo: FSDP2 runs on the CPU there (comm.torch_device), and the names say so
-    yours, theirs = (", GPU", ", CPU") if cluster.device == "cuda" and cluster.backend == "gloo" else ("", "")
+    yours, theirs = (", GPU", ", CPU") if torch_on_cpu(cluster.backend, cluster.device) else ("", "")
     runs = {f"yours, depth {depth}{yours}": cluster.run(train, hooks, model_name, steps, depth=depth, warmup=1),
             f"FSDP2, depth {depth}{theirs}": cluster.run(fsdp2_train, model_name, steps, depth, 1)}
     out = {}

@@ -272,6 +272,7 @@ def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int | None = None) -> d
     Gloo: ``comm.torch_device``)}."""
     from ..paths import quick
     from ..pool import spare
+    from ..pool.backend import torch_on_cpu
 
     steps = steps or (2 if quick() else 5)
     out = {}
@@ -282,5 +283,5 @@ def measure(cluster, fns: Fns, degrees=(1, 2, 4), steps: int | None = None) -> d
         out[n] = {"step": statistics.median(times), "range": (min(times), max(times)),
                   "dtensor": statistics.median(dtensor), "dtensor_range": (min(dtensor), max(dtensor)),
                   "timeline": pool.timeline(), "steps": steps,
-                  "apart": pool.device == "cuda" and pool.backend == "gloo"}  # DTensor on the CPU, yours on a GPU
+                  "apart": torch_on_cpu(pool.backend, pool.device)}
     return out
